@@ -1,0 +1,571 @@
+//! One configuration tree, loaded once at start from a TOML file and the
+//! environment, validated before anything connects. Every error names its key.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use figment::providers::{Env, Format, Serialized, Toml};
+use figment::Figment;
+use serde::{Deserialize, Serialize};
+
+/// Environment prefix for every key: `OUTBOX_RELAY_RELAY__SHARDS=4` sets `relay.shards`.
+pub const ENV_PREFIX: &str = "OUTBOX_RELAY_";
+
+/// The default QStash endpoint (the official SDKs' default region).
+pub const DEFAULT_QSTASH_URL: &str = "https://qstash.upstash.io";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// Parsing, an unknown key or a wrong type; figment's message names the key.
+    #[error("configuration: {0}")]
+    Load(String),
+    #[error("configuration key `{key}`: {reason}")]
+    Invalid { key: String, reason: String },
+}
+
+impl ConfigError {
+    fn invalid(key: impl Into<String>, reason: impl Into<String>) -> Self {
+        ConfigError::Invalid {
+            key: key.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub database: DatabaseConfig,
+    pub relay: RelayConfig,
+    pub qstash: QstashConfig,
+    pub http: HttpConfig,
+    pub server: ServerConfig,
+    pub routes: Vec<RouteConfig>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DatabaseConfig {
+    /// A libpq-style URL; `sslmode=require` (or `verify-full`) connects over TLS.
+    /// `DATABASE_URL` overrides it.
+    pub url: String,
+    /// Pooled connections for claimers, the marker and the gauges.
+    pub pool_size: u32,
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RelayConfig {
+    /// Claimers; each owns the partition keys that hash to it.
+    pub shards: u32,
+    /// Publisher actors sharing the HTTP client.
+    pub publishers: u32,
+    /// Rows one claim statement takes.
+    pub claim_batch: u32,
+    /// Rows claimed but not yet marked, over all claimers (backpressure bound).
+    pub max_in_flight: u32,
+    /// How long a claimed row is ours; another relay may claim it after that.
+    #[serde(with = "humantime_serde")]
+    pub lease: Duration,
+    /// Claim at least this often when no NOTIFY arrives.
+    #[serde(with = "humantime_serde")]
+    pub poll_interval: Duration,
+    /// The attempt that reaches this count and fails dead-letters the row.
+    pub max_attempts: u32,
+    #[serde(with = "humantime_serde")]
+    pub backoff_base: Duration,
+    #[serde(with = "humantime_serde")]
+    pub backoff_cap: Duration,
+    /// The marker flushes after this many outcomes ...
+    pub mark_batch: u32,
+    /// ... or after this long, whichever comes first.
+    #[serde(with = "humantime_serde")]
+    pub mark_interval: Duration,
+    /// On SIGTERM, in-flight publishes get this long to finish.
+    #[serde(with = "humantime_serde")]
+    pub shutdown_grace: Duration,
+    /// Restarts allowed per actor within `restart_window` before the relay gives up.
+    pub max_restarts: u32,
+    #[serde(with = "humantime_serde")]
+    pub restart_window: Duration,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct QstashConfig {
+    /// `QSTASH_URL` overrides it.
+    pub url: String,
+    /// `QSTASH_TOKEN` overrides it. Never logged.
+    pub token: String,
+    /// Used by the failure-callback endpoint. `QSTASH_CURRENT_SIGNING_KEY`.
+    pub current_signing_key: String,
+    /// `QSTASH_NEXT_SIGNING_KEY`.
+    pub next_signing_key: String,
+    /// `batch` sends many events per `POST /v2/batch`; `single` one `POST /v2/publish` each.
+    pub mode: PublishMode,
+    /// Messages per `/v2/batch` request.
+    pub batch_size: u32,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum PublishMode {
+    Batch,
+    Single,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpConfig {
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// The whole exchange: request, response headers and body.
+    #[serde(with = "humantime_serde")]
+    pub request_timeout: Duration,
+    /// Response bodies longer than this are cut (they only feed `last_error`).
+    pub max_response_bytes: usize,
+    /// A request body over this size is dead-lettered without sending (QStash's
+    /// message limit on the smallest plan is 1 MB).
+    pub max_message_bytes: usize,
+    pub pool_idle_timeout_secs: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// `/metrics`, `/healthz`, `/readyz`: keep it on a private address.
+    pub metrics_bind: Option<SocketAddr>,
+    /// QStash's failure callback (`POST /qstash/failure`) must face the internet:
+    /// it gets a listener of its own. Off unless set.
+    pub callback_bind: Option<SocketAddr>,
+    /// `/readyz` fails when the oldest pending event is older than this and
+    /// nothing was delivered since the last check.
+    #[serde(with = "humantime_serde")]
+    pub ready_max_pending_age: Duration,
+    /// Gauges sampled from the database this often.
+    #[serde(with = "humantime_serde")]
+    pub stats_interval: Duration,
+    /// Clock tolerance when verifying QStash signatures.
+    #[serde(with = "humantime_serde")]
+    pub signature_tolerance: Duration,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    /// `order.placed` (exact), `order.*` (prefix), or `*` (everything).
+    pub event_type: String,
+    #[serde(default)]
+    pub sink: SinkKind,
+    /// URL template: `{event_type}`, `{aggregate_type}`, `{aggregate_id}`,
+    /// `{tenant_id}`, `{partition_key}` are replaced (percent-encoded).
+    pub destination: String,
+    /// QStash `Upstash-Retries` (how often QStash retries delivery).
+    #[serde(default)]
+    pub retries: Option<u32>,
+    #[serde(default)]
+    pub ordering: Ordering,
+    /// Flow-control parallelism sent with ordered events (1 keeps the order).
+    #[serde(default)]
+    pub parallelism: Option<u32>,
+    /// Flow-control rate per period for this route's key.
+    #[serde(default)]
+    pub rate: Option<u32>,
+    #[serde(default, with = "humantime_serde")]
+    pub period: Option<Duration>,
+    #[serde(default)]
+    pub failure_callback: Option<String>,
+    #[serde(default, with = "humantime_serde")]
+    pub delay: Option<Duration>,
+    /// `Upstash-Method` (QStash) or the request method (webhook).
+    #[serde(default = "default_method")]
+    pub method: String,
+    #[serde(default)]
+    pub body: BodyShape,
+    /// `whsec_…` secret for webhook routes (Standard Webhooks signing).
+    #[serde(default)]
+    pub signing_secret: Option<String>,
+}
+
+fn default_method() -> String {
+    "POST".to_owned()
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum SinkKind {
+    #[default]
+    Qstash,
+    Webhook,
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Ordering {
+    #[default]
+    None,
+    PartitionKey,
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum BodyShape {
+    /// `{id, type, aggregateType, aggregateId, tenantId, partitionKey, payload, createdAt}`
+    #[default]
+    Envelope,
+    /// The row's `payload` alone.
+    Payload,
+}
+
+impl Default for DatabaseConfig {
+    fn default() -> Self {
+        DatabaseConfig {
+            url: String::new(),
+            pool_size: 8,
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        RelayConfig {
+            shards: 2,
+            publishers: 4,
+            claim_batch: 500,
+            max_in_flight: 5000,
+            lease: Duration::from_secs(60),
+            poll_interval: Duration::from_secs(1),
+            max_attempts: 10,
+            backoff_base: Duration::from_secs(1),
+            backoff_cap: Duration::from_secs(300),
+            mark_batch: 1000,
+            mark_interval: Duration::from_millis(5),
+            shutdown_grace: Duration::from_secs(10),
+            max_restarts: 10,
+            restart_window: Duration::from_secs(60),
+        }
+    }
+}
+
+impl Default for QstashConfig {
+    fn default() -> Self {
+        QstashConfig {
+            url: DEFAULT_QSTASH_URL.to_owned(),
+            token: String::new(),
+            current_signing_key: String::new(),
+            next_signing_key: String::new(),
+            mode: PublishMode::Batch,
+            batch_size: 100,
+        }
+    }
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(15),
+            max_response_bytes: 64 * 1024,
+            max_message_bytes: 1024 * 1024,
+            pool_idle_timeout_secs: 30,
+        }
+    }
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            metrics_bind: Some(SocketAddr::from(([127, 0, 0, 1], 9464))),
+            callback_bind: None,
+            ready_max_pending_age: Duration::from_secs(300),
+            stats_interval: Duration::from_secs(5),
+            signature_tolerance: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Well-known variables that other tools already use, mapped onto our keys.
+const WELL_KNOWN_ENV: &[(&str, &str)] = &[
+    ("DATABASE_URL", "database.url"),
+    ("QSTASH_URL", "qstash.url"),
+    ("QSTASH_TOKEN", "qstash.token"),
+    ("QSTASH_CURRENT_SIGNING_KEY", "qstash.current_signing_key"),
+    ("QSTASH_NEXT_SIGNING_KEY", "qstash.next_signing_key"),
+];
+
+impl Config {
+    /// Defaults, then the file (if any), then `OUTBOX_RELAY_…`, then the
+    /// well-known variables; validated.
+    pub fn load(path: Option<&Path>) -> Result<Config, ConfigError> {
+        let mut figment = Figment::from(Serialized::defaults(Config::default()));
+        if let Some(path) = path {
+            if !path.exists() {
+                return Err(ConfigError::Load(format!(
+                    "file {} does not exist",
+                    path.display()
+                )));
+            }
+            figment = figment.merge(Toml::file_exact(path));
+        }
+        Self::from_figment(figment)
+    }
+
+    /// Like [`Config::load`] with the TOML given as a string (tests, embedding).
+    pub fn from_toml_str(toml: &str) -> Result<Config, ConfigError> {
+        Self::from_figment(
+            Figment::from(Serialized::defaults(Config::default())).merge(Toml::string(toml)),
+        )
+    }
+
+    fn from_figment(figment: Figment) -> Result<Config, ConfigError> {
+        let mut figment = figment.merge(Env::prefixed(ENV_PREFIX).split("__"));
+        for (var, key) in WELL_KNOWN_ENV {
+            if let Ok(value) = std::env::var(var) {
+                if !value.is_empty() {
+                    figment = figment.merge(Serialized::default(key, value));
+                }
+            }
+        }
+        let config: Config = figment.extract().map_err(|e| {
+            // figment can report several errors; name each with its key.
+            ConfigError::Load(
+                e.into_iter()
+                    .map(|e| e.to_string())
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            )
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks that no parser can: ranges, relations between keys, routes.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let r = &self.relay;
+        if self.database.pool_size == 0 {
+            return Err(ConfigError::invalid(
+                "database.pool_size",
+                "must be at least 1",
+            ));
+        }
+        if r.shards == 0 || r.shards > 1024 {
+            return Err(ConfigError::invalid(
+                "relay.shards",
+                "must be between 1 and 1024",
+            ));
+        }
+        if r.publishers == 0 {
+            return Err(ConfigError::invalid(
+                "relay.publishers",
+                "must be at least 1",
+            ));
+        }
+        if r.claim_batch == 0 {
+            return Err(ConfigError::invalid(
+                "relay.claim_batch",
+                "must be at least 1",
+            ));
+        }
+        if r.max_in_flight < r.claim_batch {
+            return Err(ConfigError::invalid(
+                "relay.max_in_flight",
+                format!("must be at least relay.claim_batch ({})", r.claim_batch),
+            ));
+        }
+        if r.max_attempts == 0 {
+            return Err(ConfigError::invalid(
+                "relay.max_attempts",
+                "must be at least 1",
+            ));
+        }
+        if r.mark_batch == 0 {
+            return Err(ConfigError::invalid(
+                "relay.mark_batch",
+                "must be at least 1",
+            ));
+        }
+        if r.poll_interval.is_zero() {
+            return Err(ConfigError::invalid(
+                "relay.poll_interval",
+                "must be more than zero",
+            ));
+        }
+        if r.backoff_cap < r.backoff_base {
+            return Err(ConfigError::invalid(
+                "relay.backoff_cap",
+                "must not be shorter than relay.backoff_base",
+            ));
+        }
+        // A lease that ends while its publish may still be running would let a
+        // second relay publish the same row concurrently, breaking per-key order.
+        if r.lease <= self.http.request_timeout + self.relay.mark_interval {
+            return Err(ConfigError::invalid(
+                "relay.lease",
+                format!(
+                    "must be longer than http.request_timeout ({})",
+                    humantime::format_duration(self.http.request_timeout)
+                ),
+            ));
+        }
+        if self.http.request_timeout.is_zero() {
+            return Err(ConfigError::invalid(
+                "http.request_timeout",
+                "must be more than zero",
+            ));
+        }
+        if self.qstash.batch_size == 0 || self.qstash.batch_size > 1000 {
+            return Err(ConfigError::invalid(
+                "qstash.batch_size",
+                "must be between 1 and 1000",
+            ));
+        }
+        parse_http_url(&self.qstash.url).map_err(|e| ConfigError::invalid("qstash.url", e))?;
+        for (i, route) in self.routes.iter().enumerate() {
+            route.validate(&format!("routes[{i}]"))?;
+            if route.sink == SinkKind::Qstash && self.qstash.token.is_empty() {
+                return Err(ConfigError::invalid(
+                    "qstash.token",
+                    format!(
+                        "is required because routes[{i}] delivers through QStash (set QSTASH_TOKEN)"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// True when at least one route asks for per-key ordering.
+    pub fn any_ordered_route(&self) -> bool {
+        self.routes
+            .iter()
+            .any(|r| r.ordering == Ordering::PartitionKey)
+    }
+}
+
+impl RouteConfig {
+    fn validate(&self, at: &str) -> Result<(), ConfigError> {
+        let p = &self.event_type;
+        let pattern_ok = !p.is_empty()
+            && (!p.contains('*') || p == "*" || (p.ends_with(".*") && p.matches('*').count() == 1));
+        if !pattern_ok {
+            return Err(ConfigError::invalid(
+                format!("{at}.event_type"),
+                format!("`{p}` is not `exact.type`, `prefix.*` or `*`"),
+            ));
+        }
+        if self.destination.is_empty() {
+            return Err(ConfigError::invalid(
+                format!("{at}.destination"),
+                "must not be empty",
+            ));
+        }
+        crate::routes::check_template(&self.destination)
+            .map_err(|e| ConfigError::invalid(format!("{at}.destination"), e))?;
+        if self.sink == SinkKind::Webhook {
+            match &self.signing_secret {
+                Some(s) if s.starts_with("whsec_") => {
+                    crate::sink::webhook::decode_secret(s).map_err(|e| {
+                        ConfigError::invalid(format!("{at}.signing_secret"), e.to_string())
+                    })?;
+                }
+                Some(_) => {
+                    return Err(ConfigError::invalid(
+                        format!("{at}.signing_secret"),
+                        "must start with `whsec_`",
+                    ))
+                }
+                None => {
+                    return Err(ConfigError::invalid(
+                        format!("{at}.signing_secret"),
+                        "is required for webhook routes",
+                    ))
+                }
+            }
+        }
+        if let Some(0) = self.parallelism {
+            return Err(ConfigError::invalid(
+                format!("{at}.parallelism"),
+                "must be at least 1",
+            ));
+        }
+        if self.period.is_some() && self.rate.is_none() {
+            return Err(ConfigError::invalid(format!("{at}.period"), "needs `rate`"));
+        }
+        if http::Method::from_bytes(self.method.as_bytes()).is_err() {
+            return Err(ConfigError::invalid(
+                format!("{at}.method"),
+                format!("`{}` is not an HTTP method", self.method),
+            ));
+        }
+        if let Some(cb) = &self.failure_callback {
+            parse_http_url(cb)
+                .map_err(|e| ConfigError::invalid(format!("{at}.failure_callback"), e))?;
+        }
+        Ok(())
+    }
+
+    /// Does this route take events of `event_type`?
+    pub fn matches(&self, event_type: &str) -> bool {
+        match self.event_type.as_str() {
+            "*" => true,
+            p if p.ends_with(".*") => event_type.starts_with(&p[..p.len() - 1]),
+            p => p == event_type,
+        }
+    }
+}
+
+fn parse_http_url(s: &str) -> Result<http::Uri, String> {
+    let uri: http::Uri = s.parse().map_err(|e| format!("`{s}` is not a URL: {e}"))?;
+    match uri.scheme_str() {
+        Some("http") | Some("https") => Ok(uri),
+        _ => Err(format!("`{s}` must start with http:// or https://")),
+    }
+}
+
+const REDACTED: &str = "<redacted>";
+
+impl Config {
+    /// A copy fit to print or log: tokens, keys, secrets and URL passwords hidden.
+    pub fn redacted(&self) -> Config {
+        let mut c = self.clone();
+        for secret in [
+            &mut c.qstash.token,
+            &mut c.qstash.current_signing_key,
+            &mut c.qstash.next_signing_key,
+        ] {
+            if !secret.is_empty() {
+                *secret = REDACTED.to_owned();
+            }
+        }
+        for route in &mut c.routes {
+            if route.signing_secret.is_some() {
+                route.signing_secret = Some(REDACTED.to_owned());
+            }
+        }
+        c.database.url = redact_url_password(&c.database.url);
+        c
+    }
+}
+
+/// `postgres://user:secret@host/db` → `postgres://user:<redacted>@host/db`.
+pub fn redact_url_password(url: &str) -> String {
+    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
+        return url.to_owned();
+    };
+    let rest = &url[scheme_end..];
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    let authority = &rest[..authority_end];
+    match (authority.rfind('@'), authority.find(':')) {
+        (Some(at), Some(colon)) if colon < at => format!(
+            "{}{}:{REDACTED}{}",
+            &url[..scheme_end],
+            &authority[..colon],
+            &rest[at..]
+        ),
+        _ => url.to_owned(),
+    }
+}

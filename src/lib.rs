@@ -1,0 +1,25 @@
+//! outbox-relay: the transactional outbox for PostgreSQL, drained by a relay
+//! built from actors and delivered to Upstash QStash or any HTTP endpoint.
+//!
+//! ```text
+//! app transaction ── producer::enqueue ──▶ outbox table (+ NOTIFY per statement)
+//!
+//!  actors::Supervisor ─┬─ Listener   (own connection, LISTEN, reconnects) ── wakes claimers
+//!                      ├─ Claimer × shards  (claim a batch under a lease)
+//!                      ├─ Publisher × N     (sink::* over one hyper client)
+//!                      └─ Marker            (multi-row, lease-fenced UPDATEs)
+//! ```
+//!
+//! Consumers use [`consumer`] to verify signatures and handle each event once.
+
+pub mod config;
+pub mod daemon;
+pub mod db;
+pub mod producer;
+pub mod routes;
+pub mod sink;
+pub mod testkit;
+
+pub use config::Config;
+pub use daemon::run_until_signal;
+pub use producer::{enqueue, enqueue_many, EnqueueError, Enqueued, NewEvent};

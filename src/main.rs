@@ -1,0 +1,120 @@
+//! The `outbox-relay` command: thin; each subcommand calls into the library.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use outbox_relay::config::Config;
+use outbox_relay::db;
+
+#[derive(Parser)]
+#[command(
+    name = "outbox-relay",
+    version,
+    about = "Drains a PostgreSQL outbox table and publishes every event at least once to Upstash QStash or an HTTP endpoint.",
+    long_about = None
+)]
+struct Cli {
+    /// Log output: `human` for people, `json` for log pipelines.
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        default_value = "human",
+        env = "OUTBOX_RELAY_LOG_FORMAT"
+    )]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Human,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create or upgrade the schema in DATABASE_URL (safe to run from several replicas at once).
+    Migrate {
+        /// Config file; only `database.url` is read (DATABASE_URL overrides it).
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+    /// Run the relay as a daemon until SIGTERM or SIGINT.
+    Run {
+        /// TOML config file (see config/relay.toml); every key can be set from the environment.
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+    /// Check a config file and the environment, print the effective config (secrets hidden), and exit.
+    CheckConfig {
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+}
+
+fn init_tracing(format: LogFormat) {
+    use tracing_subscriber::EnvFilter;
+    let filter =
+        EnvFilter::try_from_env("OUTBOX_RELAY_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Human => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing(cli.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(dispatch(cli.command)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
+    match command {
+        Command::Migrate { config } => {
+            let config = Config::load(config.as_deref())?;
+            let mut client = db::connect(&config.database.url).await?;
+            let report = db::migrate::run(&mut client).await?;
+            if report.applied.is_empty() {
+                println!("schema is up to date ({} migrations)", report.already);
+            } else {
+                println!(
+                    "applied migrations {:?} ({} were already applied)",
+                    report.applied, report.already
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Run { config } => {
+            let config = Config::load(config.as_deref())?;
+            outbox_relay::run_until_signal(config).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::CheckConfig { config } => {
+            let config = Config::load(config.as_deref())?;
+            println!("{}", serde_json::to_string_pretty(&config.redacted())?);
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}

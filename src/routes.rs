@@ -1,0 +1,259 @@
+//! Routes: which sink an event goes to, chosen by its type. The first route
+//! whose pattern matches wins; an event no route matches is dead-lettered.
+
+use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
+
+use crate::config::{Ordering, RouteConfig};
+
+/// What a value substituted into a URL may keep unescaped (RFC 3986 unreserved).
+const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Var {
+    Id,
+    EventType,
+    AggregateType,
+    AggregateId,
+    TenantId,
+    PartitionKey,
+}
+
+impl Var {
+    fn parse(name: &str) -> Option<Var> {
+        Some(match name {
+            "id" => Var::Id,
+            "event_type" => Var::EventType,
+            "aggregate_type" => Var::AggregateType,
+            "aggregate_id" => Var::AggregateId,
+            "tenant_id" => Var::TenantId,
+            "partition_key" => Var::PartitionKey,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Part {
+    Literal(String),
+    Var(Var),
+}
+
+/// A destination URL with `{placeholders}`, parsed once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Template {
+    parts: Vec<Part>,
+}
+
+/// The fields of an event a template can name.
+pub struct TemplateValues<'a> {
+    pub id: i64,
+    pub event_type: &'a str,
+    pub aggregate_type: &'a str,
+    pub aggregate_id: &'a str,
+    pub tenant_id: &'a str,
+    pub partition_key: &'a str,
+}
+
+impl Template {
+    pub fn parse(s: &str) -> Result<Template, String> {
+        let mut parts = Vec::new();
+        let mut rest = s;
+        while let Some(open) = rest.find('{') {
+            if open > 0 {
+                parts.push(Part::Literal(rest[..open].to_owned()));
+            }
+            let Some(close) = rest[open..].find('}') else {
+                return Err(format!("unclosed `{{` in `{s}`"));
+            };
+            let name = &rest[open + 1..open + close];
+            let var = Var::parse(name).ok_or_else(|| {
+                format!("unknown placeholder `{{{name}}}` (known: id, event_type, aggregate_type, aggregate_id, tenant_id, partition_key)")
+            })?;
+            parts.push(Part::Var(var));
+            rest = &rest[open + close + 1..];
+        }
+        if rest.contains('}') {
+            return Err(format!("`}}` without `{{` in `{s}`"));
+        }
+        if !rest.is_empty() {
+            parts.push(Part::Literal(rest.to_owned()));
+        }
+        match parts.first() {
+            Some(Part::Literal(l)) if l.starts_with("http://") || l.starts_with("https://") => {}
+            _ => return Err(format!("`{s}` must start with http:// or https://")),
+        }
+        Ok(Template { parts })
+    }
+
+    pub fn render(&self, v: &TemplateValues<'_>) -> String {
+        let mut out = String::with_capacity(64);
+        for part in &self.parts {
+            match part {
+                Part::Literal(l) => out.push_str(l),
+                Part::Var(Var::Id) => out.push_str(&v.id.to_string()),
+                Part::Var(var) => {
+                    let value = match var {
+                        Var::EventType => v.event_type,
+                        Var::AggregateType => v.aggregate_type,
+                        Var::AggregateId => v.aggregate_id,
+                        Var::TenantId => v.tenant_id,
+                        Var::PartitionKey => v.partition_key,
+                        Var::Id => unreachable!(),
+                    };
+                    out.extend(utf8_percent_encode(value, SEGMENT));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Validates a destination template (used by config validation).
+pub fn check_template(s: &str) -> Result<(), String> {
+    Template::parse(s).map(|_| ())
+}
+
+/// A route, ready to use.
+#[derive(Debug, Clone)]
+pub struct Route {
+    /// Position in the config (`routes[i]`), also its metric label.
+    pub index: usize,
+    pub name: String,
+    pub config: RouteConfig,
+    pub destination: Template,
+}
+
+impl Route {
+    pub fn ordered(&self) -> bool {
+        self.config.ordering == Ordering::PartitionKey
+    }
+}
+
+/// All routes, in config order.
+#[derive(Debug, Clone, Default)]
+pub struct Router {
+    routes: Vec<Route>,
+}
+
+impl Router {
+    pub fn new(configs: &[RouteConfig]) -> Result<Router, String> {
+        let routes = configs
+            .iter()
+            .enumerate()
+            .map(|(index, c)| {
+                Ok(Route {
+                    index,
+                    name: format!("{}#{index}", c.event_type),
+                    config: c.clone(),
+                    destination: Template::parse(&c.destination)
+                        .map_err(|e| format!("routes[{index}].destination: {e}"))?,
+                })
+            })
+            .collect::<Result<_, String>>()?;
+        Ok(Router { routes })
+    }
+
+    /// The first route that takes `event_type`.
+    pub fn route(&self, event_type: &str) -> Option<&Route> {
+        self.routes.iter().find(|r| r.config.matches(event_type))
+    }
+
+    pub fn routes(&self) -> &[Route] {
+        &self.routes
+    }
+
+    /// SQL `LIKE` patterns covering every event type that may be routed to an
+    /// ordered route. Used by the claim to keep keys in order; it errs on the
+    /// side of ordering (a type also matched by an earlier unordered route
+    /// is still held in order).
+    pub fn ordered_like_patterns(&self) -> Vec<String> {
+        self.routes
+            .iter()
+            .filter(|r| r.ordered())
+            .map(|r| match r.config.event_type.as_str() {
+                "*" => "%".to_owned(),
+                p if p.ends_with(".*") => format!("{}%", escape_like(&p[..p.len() - 1])),
+                p => escape_like(p),
+            })
+            .collect()
+    }
+}
+
+fn escape_like(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if matches!(c, '%' | '_' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values() -> TemplateValues<'static> {
+        TemplateValues {
+            id: 42,
+            event_type: "order.placed",
+            aggregate_type: "order",
+            aggregate_id: "a b/c",
+            tenant_id: "t1",
+            partition_key: "order:1",
+        }
+    }
+
+    #[test]
+    fn renders_placeholders_percent_encoded() {
+        let t = Template::parse("https://x.example/{event_type}/{aggregate_id}?id={id}").unwrap();
+        assert_eq!(
+            t.render(&values()),
+            "https://x.example/order.placed/a%20b%2Fc?id=42"
+        );
+    }
+
+    #[test]
+    fn rejects_unknown_placeholder_and_bad_scheme() {
+        assert!(Template::parse("https://x/{nope}")
+            .unwrap_err()
+            .contains("unknown placeholder"));
+        assert!(Template::parse("ftp://x/").unwrap_err().contains("http://"));
+        assert!(Template::parse("https://x/{event_type")
+            .unwrap_err()
+            .contains("unclosed"));
+    }
+
+    #[test]
+    fn first_matching_route_wins_and_patterns_cover_ordered_routes() {
+        let toml = r#"
+            [[routes]]
+            event_type = "order.placed"
+            destination = "https://a.example/placed"
+            [[routes]]
+            event_type = "order.*"
+            destination = "https://a.example/orders"
+            ordering = "partition_key"
+            [[routes]]
+            event_type = "*"
+            destination = "https://a.example/all"
+        "#;
+        let cfg: crate::config::Config = figment::Figment::new()
+            .merge(figment::providers::Serialized::defaults(
+                crate::config::Config::default(),
+            ))
+            .merge(<figment::providers::Toml as figment::providers::Format>::string(toml))
+            .extract()
+            .unwrap();
+        let router = Router::new(&cfg.routes).unwrap();
+        assert_eq!(router.route("order.placed").unwrap().index, 0);
+        assert_eq!(router.route("order.shipped").unwrap().index, 1);
+        assert_eq!(router.route("user.created").unwrap().index, 2);
+        assert_eq!(router.ordered_like_patterns(), vec!["order.%".to_owned()]);
+    }
+}

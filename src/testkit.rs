@@ -1,0 +1,291 @@
+//! Real PostgreSQL for tests, benchmarks and the load-test harness: a fresh
+//! database per test on a running server, or a throwaway cluster of our own
+//! when no server answers. Nothing here is used by the relay itself.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use crate::db;
+
+/// Where tests look for a server, in order: `TEST_DATABASE_URL`, then this.
+pub const DEFAULT_SERVER_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+
+#[derive(Debug, thiserror::Error)]
+pub enum TestkitError {
+    #[error("{0}")]
+    Cluster(String),
+    #[error(transparent)]
+    Db(#[from] db::DbError),
+    #[error(transparent)]
+    Postgres(#[from] tokio_postgres::Error),
+    #[error(transparent)]
+    Migrate(#[from] db::migrate::MigrateError),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+/// A PostgreSQL cluster in a temporary directory, stopped and removed on drop.
+pub struct ThrowawayCluster {
+    dir: tempfile::TempDir,
+    bin: PathBuf,
+    as_postgres_user: bool,
+    port: u16,
+}
+
+impl ThrowawayCluster {
+    /// `initdb` + `pg_ctl start` on a free loopback port, tuned for tests
+    /// (no fsync). Runs the server as the `postgres` user when we are root,
+    /// since PostgreSQL refuses to run as root.
+    pub fn start() -> Result<ThrowawayCluster, TestkitError> {
+        let bin = find_pg_bin()?;
+        let dir = tempfile::Builder::new()
+            .prefix("outbox-relay-pg-")
+            .tempdir()?;
+        let as_postgres_user = unsafe { libc::geteuid() } == 0;
+        if as_postgres_user {
+            run(Command::new("chown")
+                .arg("-R")
+                .arg("postgres:")
+                .arg(dir.path()))?;
+        }
+        let port = free_port()?;
+        let data = dir.path().join("data");
+        let cluster = ThrowawayCluster {
+            dir,
+            bin,
+            as_postgres_user,
+            port,
+        };
+        run(cluster.pg_command("initdb").arg("-D").arg(&data).args([
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--no-sync",
+        ]))?;
+        let opts = format!(
+            "-c listen_addresses=127.0.0.1 -p {port} -k {} -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200 -c shared_buffers=256MB",
+            cluster.dir.path().display()
+        );
+        run(cluster
+            .pg_command("pg_ctl")
+            .arg("-D")
+            .arg(&data)
+            .args(["-o", &opts, "-w", "-t", "60", "-l"])
+            .arg(cluster.dir.path().join("server.log"))
+            .arg("start"))?;
+        Ok(cluster)
+    }
+
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    fn pg_command(&self, tool: &str) -> Command {
+        let path = self.bin.join(tool);
+        if self.as_postgres_user {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(path);
+            c
+        } else {
+            Command::new(path)
+        }
+    }
+
+    fn stop(&self) {
+        let _ = self
+            .pg_command("pg_ctl")
+            .arg("-D")
+            .arg(self.dir.path().join("data"))
+            .args(["-m", "immediate", "-w", "stop"])
+            .output();
+    }
+}
+
+impl Drop for ThrowawayCluster {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn run(cmd: &mut Command) -> Result<(), TestkitError> {
+    let out = cmd
+        .output()
+        .map_err(|e| TestkitError::Cluster(format!("cannot run {cmd:?}: {e}")))?;
+    if !out.status.success() {
+        return Err(TestkitError::Cluster(format!(
+            "{cmd:?} failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )));
+    }
+    Ok(())
+}
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// `initdb` on the PATH, else the newest `/usr/lib/postgresql/*/bin`.
+fn find_pg_bin() -> Result<PathBuf, TestkitError> {
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            if dir.join("initdb").is_file() && dir.join("pg_ctl").is_file() {
+                return Ok(dir);
+            }
+        }
+    }
+    let mut found: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.path().join("bin"))
+                .collect()
+        })
+        .unwrap_or_default();
+    found.retain(|p| p.join("initdb").is_file());
+    found.sort_by_key(|p| {
+        p.parent()
+            .and_then(Path::file_name)
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.parse::<u32>().ok())
+            .unwrap_or(0)
+    });
+    found.pop().ok_or_else(|| {
+        TestkitError::Cluster(
+            "no PostgreSQL server answers and no initdb was found: install PostgreSQL (apt-get install postgresql) or set TEST_DATABASE_URL".into(),
+        )
+    })
+}
+
+async fn answers(url: &str) -> bool {
+    let Ok(mut config) = db::parse_url(url) else {
+        return false;
+    };
+    config.connect_timeout(Duration::from_secs(2));
+    matches!(
+        tokio::time::timeout(
+            Duration::from_secs(3),
+            config.connect(tokio_postgres::NoTls)
+        )
+        .await,
+        Ok(Ok(_))
+    )
+}
+
+/// The server tests create their databases on, decided once per process.
+async fn server_url() -> Result<String, TestkitError> {
+    static SERVER: OnceLock<String> = OnceLock::new();
+    static CLUSTER: OnceLock<ThrowawayCluster> = OnceLock::new();
+    if let Some(url) = SERVER.get() {
+        return Ok(url.clone());
+    }
+    let candidate =
+        std::env::var("TEST_DATABASE_URL").unwrap_or_else(|_| DEFAULT_SERVER_URL.to_owned());
+    let url = if answers(&candidate).await {
+        candidate
+    } else {
+        let cluster = tokio::task::spawn_blocking(ThrowawayCluster::start)
+            .await
+            .map_err(|e| TestkitError::Cluster(e.to_string()))??;
+        let url = cluster.url();
+        if CLUSTER.set(cluster).is_ok() {
+            // Statics are never dropped: stop the cluster when the process exits.
+            extern "C" fn stop_cluster() {
+                if let Some(c) = CLUSTER.get() {
+                    c.stop();
+                }
+            }
+            unsafe { libc::atexit(stop_cluster) };
+        }
+        CLUSTER.get().map(|c| c.url()).unwrap_or(url)
+    };
+    Ok(SERVER.get_or_init(|| url).clone())
+}
+
+/// A database of its own, created empty and migrated, dropped on drop.
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+    server_url: String,
+}
+
+impl TestDb {
+    /// A fresh, migrated database.
+    pub async fn new() -> Result<TestDb, TestkitError> {
+        let db = Self::empty().await?;
+        let mut client = db::connect(&db.url).await?;
+        db::migrate::run(&mut client).await?;
+        Ok(db)
+    }
+
+    /// A fresh database without our schema.
+    pub async fn empty() -> Result<TestDb, TestkitError> {
+        let server_url = server_url().await?;
+        let name = format!("outbox_test_{}", uuid::Uuid::new_v4().simple());
+        let admin = db::connect(&server_url).await?;
+        admin
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await?;
+        let mut config = db::parse_url(&server_url)?;
+        config.dbname(&name);
+        let url = url_with_dbname(&server_url, &name);
+        Ok(TestDb {
+            name,
+            url,
+            server_url,
+        })
+    }
+
+    pub async fn client(&self) -> Result<tokio_postgres::Client, TestkitError> {
+        Ok(db::connect(&self.url).await?)
+    }
+
+    pub fn pool(&self, size: u32) -> Result<db::Pool, TestkitError> {
+        Ok(db::pool(&self.url, size, Duration::from_secs(5))?)
+    }
+}
+
+/// Replaces the database name in a `postgres://…/name?…` URL.
+pub fn url_with_dbname(url: &str, name: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (url, None),
+    };
+    let scheme_end = base.find("://").map(|i| i + 3).unwrap_or(0);
+    let host_part = match base[scheme_end..].find('/') {
+        Some(i) => &base[..scheme_end + i],
+        None => base,
+    };
+    match query {
+        Some(q) => format!("{host_part}/{name}?{q}"),
+        None => format!("{host_part}/{name}"),
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let server = self.server_url.clone();
+        let name = self.name.clone();
+        // Drop runs outside async; a short-lived runtime on its own thread drops
+        // the database (FORCE ends the test's leftover connections).
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
+            rt.block_on(async move {
+                let admin = db::connect(&server).await.ok()?;
+                admin
+                    .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                    .await
+                    .ok()
+            })
+        })
+        .join();
+    }
+}

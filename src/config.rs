@@ -322,7 +322,12 @@ impl Config {
     }
 
     fn from_figment(figment: Figment) -> Result<Config, ConfigError> {
-        let mut figment = figment.merge(Env::prefixed(ENV_PREFIX).split("__"));
+        // OUTBOX_RELAY_LOG and OUTBOX_RELAY_LOG_FORMAT steer logging, not config.
+        let mut figment = figment.merge(
+            Env::prefixed(ENV_PREFIX)
+                .ignore(&["log", "log_format"])
+                .split("__"),
+        );
         for (var, key) in WELL_KNOWN_ENV {
             if let Ok(value) = std::env::var(var) {
                 if !value.is_empty() {

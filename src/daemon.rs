@@ -1,27 +1,96 @@
-//! The long-lived process: start the actor tree, serve the HTTP endpoints,
-//! stop on SIGTERM or SIGINT.
+//! The long-lived process: the HTTP endpoints, the actor tree, and signals.
+//! SIGTERM or SIGINT stops it gracefully; a second signal exits at once.
+
+use std::sync::{Arc, Mutex};
 
 use crate::config::Config;
-use crate::db;
+use crate::relay::Relay;
+use crate::server::ops::{self, OpsState, Readiness};
 
-/// Runs until SIGTERM or SIGINT.
+/// Runs until SIGTERM or SIGINT (exit 0), or until the actor tree gives up.
 pub async fn run_until_signal(config: Config) -> anyhow::Result<()> {
-    let client = db::connect(&config.database.url).await?;
-    client.simple_query("SELECT 1").await?;
-    tracing::info!(config = %serde_json::to_string(&config.redacted())?, "outbox-relay started");
-    wait_for_signal().await?;
-    tracing::info!("stopping");
+    let metrics = match crate::metrics::install() {
+        Ok(handle) => Some(handle),
+        Err(e) => {
+            tracing::warn!(error = %e, "metrics recorder not installed");
+            None
+        }
+    };
+    tracing::info!(config = %serde_json::to_string(&config.redacted())?, "outbox-relay starting");
+    let mut relay = Relay::start(config.clone()).await?;
+    let readiness = Arc::new(Mutex::new(Readiness::default()));
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let sampler = tokio::spawn(ops::sample_forever(
+        relay.pool().clone(),
+        relay.counters_handle(),
+        Arc::clone(&readiness),
+        config.server.stats_interval,
+        config.server.ready_max_pending_age,
+    ));
+    if let Some(addr) = config.server.metrics_bind {
+        let router = ops::router(OpsState {
+            metrics,
+            readiness: Arc::clone(&readiness),
+        });
+        let mut rx = stop_rx.clone();
+        let (local, _task) = ops::serve(addr, router, async move {
+            let _ = rx.changed().await;
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("server.metrics_bind {addr}: {e}"))?;
+        tracing::info!(%local, "serving /metrics, /healthz, /readyz");
+    }
+    tracing::info!("outbox-relay running");
+
+    let signals = Signals::new()?;
+    tokio::pin!(signals);
+    let failed = tokio::select! {
+        _ = signals.next() => false,
+        _ = relay.stopped() => true,
+    };
+    if failed {
+        sampler.abort();
+        anyhow::bail!("the relay stopped: an actor exhausted its restart budget (see the log)");
+    }
+    tracing::info!(grace = ?config.relay.shutdown_grace, "stopping: finishing in-flight work");
+    let report = tokio::select! {
+        report = relay.shutdown() => report,
+        _ = signals.next() => {
+            tracing::warn!("second signal: exiting now; leases will expire");
+            std::process::exit(130);
+        }
+    };
+    let _ = stop_tx.send(true);
+    sampler.abort();
+    tracing::info!(
+        published = report.counters.published,
+        retried = report.counters.retried,
+        dead_lettered = report.counters.dead_lettered,
+        released = report.released,
+        "stopped"
+    );
     Ok(())
 }
 
-/// Resolves on the first SIGTERM or SIGINT.
-pub async fn wait_for_signal() -> std::io::Result<()> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
+/// SIGTERM and SIGINT as one stream.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> std::io::Result<Signals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+        })
     }
-    Ok(())
+
+    async fn next(&mut self) {
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
+    }
 }

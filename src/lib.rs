@@ -12,14 +12,21 @@
 //!
 //! Consumers use [`consumer`] to verify signatures and handle each event once.
 
+pub mod actors;
+pub mod backoff;
 pub mod config;
 pub mod daemon;
 pub mod db;
+pub mod metrics;
 pub mod producer;
+pub mod relay;
 pub mod routes;
+pub mod row;
+pub mod server;
 pub mod sink;
 pub mod testkit;
 
 pub use config::Config;
 pub use daemon::run_until_signal;
 pub use producer::{enqueue, enqueue_many, EnqueueError, Enqueued, NewEvent};
+pub use relay::{DrainReport, Relay};

@@ -48,6 +48,17 @@ enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// Run the relay until the backlog is empty (or --max-duration passes), print what it did, and exit 0. For cron-style deployments.
+    Drain {
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Stop after this long even if rows are still pending (e.g. 5m).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        max_duration: Option<std::time::Duration>,
+        /// Print the summary as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Check a config file and the environment, print the effective config (secrets hidden), and exit.
     CheckConfig {
         #[arg(long)]
@@ -109,6 +120,34 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Run { config } => {
             let config = Config::load(config.as_deref())?;
             outbox_relay::run_until_signal(config).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Drain {
+            config,
+            max_duration,
+            json,
+        } => {
+            let config = Config::load(config.as_deref())?;
+            let report = outbox_relay::Relay::drain(config, max_duration).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                println!(
+                    "published {}, retried {}, dead-lettered {} in {:.1}s{}",
+                    report.counters.published,
+                    report.counters.retried,
+                    report.counters.dead_lettered,
+                    report.elapsed_secs,
+                    if report.timed_out {
+                        format!(
+                            "; stopped at --max-duration with {} still pending",
+                            report.remaining
+                        )
+                    } else {
+                        String::new()
+                    }
+                );
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::CheckConfig { config } => {

@@ -1,4 +1,160 @@
 //! Where events go: QStash (`/v2/batch`, `/v2/publish`) or a signed webhook,
-//! over one shared keep-alive hyper client.
+//! over one shared keep-alive hyper client. A sink turns rows into requests and
+//! answers into one [`Outcome`] per row; it never touches the database.
 
+pub mod http;
+pub mod qstash;
 pub mod webhook;
+
+use std::time::{Duration, SystemTime};
+
+use crate::backoff::parse_retry_after;
+use crate::config::{BodyShape, SinkKind};
+use crate::routes::{Route, TemplateValues};
+use crate::row::OutboxRow;
+
+pub use self::http::{HttpClient, Response, TransportError};
+
+/// What became of one row's delivery attempt.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// The destination accepted it (2xx).
+    Published,
+    /// Worth another try: 408, 429, 5xx, a timeout, a broken connection.
+    Retry {
+        /// What the destination asked for (`Retry-After`).
+        after: Option<Duration>,
+        error: String,
+    },
+    /// It will never be accepted; stop trying.
+    Dead { reason: DeadReason, error: String },
+}
+
+/// Why a row was dead-lettered; the `reason` label on the metric.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadReason {
+    /// The destination answered a 4xx other than 408 and 429.
+    Rejected,
+    /// The message is larger than the sink accepts.
+    TooLarge,
+    /// No route takes this event type.
+    NoRoute,
+    /// The route's destination rendered to something that is not a URL.
+    BadDestination,
+    /// The last allowed attempt failed.
+    Exhausted,
+}
+
+impl DeadReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            DeadReason::Rejected => "rejected",
+            DeadReason::TooLarge => "too_large",
+            DeadReason::NoRoute => "no_route",
+            DeadReason::BadDestination => "bad_destination",
+            DeadReason::Exhausted => "exhausted",
+        }
+    }
+}
+
+/// Longest `last_error` we store.
+pub const MAX_ERROR_CHARS: usize = 2000;
+
+pub fn truncate(mut s: String, max_chars: usize) -> String {
+    if let Some((cut, _)) = s.char_indices().nth(max_chars) {
+        s.truncate(cut);
+        s.push('…');
+    }
+    s
+}
+
+/// The usual reading of an HTTP answer.
+pub fn classify(response: &Response) -> Outcome {
+    let status = response.status;
+    if status.is_success() {
+        return Outcome::Published;
+    }
+    let error = truncate(
+        format!(
+            "HTTP {}: {}",
+            status.as_u16(),
+            String::from_utf8_lossy(&response.body).trim()
+        ),
+        MAX_ERROR_CHARS,
+    );
+    if status.as_u16() == 408 || status.as_u16() == 429 || status.is_server_error() {
+        let after = response
+            .headers
+            .get(::http::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| parse_retry_after(v, SystemTime::now()));
+        Outcome::Retry { after, error }
+    } else {
+        Outcome::Dead {
+            reason: DeadReason::Rejected,
+            error,
+        }
+    }
+}
+
+pub fn transport_outcome(e: &TransportError) -> Outcome {
+    Outcome::Retry {
+        after: None,
+        error: truncate(e.to_string(), MAX_ERROR_CHARS),
+    }
+}
+
+/// The request body a route sends for a row.
+pub fn body(route: &Route, row: &OutboxRow) -> Vec<u8> {
+    match route.config.body {
+        BodyShape::Envelope => row.envelope(),
+        BodyShape::Payload => row.payload.clone().into_bytes(),
+    }
+}
+
+/// The route's destination for a row, checked to be a URL.
+pub fn destination(route: &Route, row: &OutboxRow) -> Result<String, Outcome> {
+    let tenant = row.tenant_id.hyphenated().to_string();
+    let url = route.destination.render(&TemplateValues {
+        id: row.id,
+        event_type: &row.event_type,
+        aggregate_type: &row.aggregate_type,
+        aggregate_id: &row.aggregate_id,
+        tenant_id: &tenant,
+        partition_key: &row.partition_key,
+    });
+    match url.parse::<::http::Uri>() {
+        Ok(uri) if uri.host().is_some() => Ok(url),
+        _ => Err(Outcome::Dead {
+            reason: DeadReason::BadDestination,
+            error: truncate(
+                format!("destination `{url}` is not a valid URL"),
+                MAX_ERROR_CHARS,
+            ),
+        }),
+    }
+}
+
+/// Every sink the routes use, sharing one client.
+#[derive(Clone)]
+pub struct Sinks {
+    pub client: HttpClient,
+    pub qstash: qstash::QstashSink,
+    pub max_message_bytes: usize,
+}
+
+impl Sinks {
+    /// Delivers rows that all belong to `route`; one outcome per row, in order.
+    pub async fn deliver(&self, route: &Route, rows: &[OutboxRow]) -> Vec<Outcome> {
+        match route.config.sink {
+            SinkKind::Qstash => {
+                self.qstash
+                    .deliver(&self.client, route, rows, self.max_message_bytes)
+                    .await
+            }
+            SinkKind::Webhook => {
+                webhook::deliver(&self.client, route, rows, self.max_message_bytes).await
+            }
+        }
+    }
+}

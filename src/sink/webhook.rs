@@ -9,6 +9,18 @@ use base64::Engine;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
+use bytes::Bytes;
+use futures_util::future::join_all;
+use http::header::{CONTENT_TYPE, USER_AGENT};
+use http::{HeaderName, HeaderValue, Method, Request};
+use http_body_util::Full;
+
+use super::http::HttpClient;
+use super::{classify, transport_outcome, DeadReason, Outcome};
+use crate::metrics;
+use crate::routes::Route;
+use crate::row::OutboxRow;
+
 pub const SECRET_PREFIX: &str = "whsec_";
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -44,6 +56,91 @@ pub fn sign(key: &[u8], msg_id: &str, timestamp: i64, body: &[u8]) -> String {
     mac.update(b".");
     mac.update(body);
     format!("v1,{}", STANDARD.encode(mac.finalize().into_bytes()))
+}
+
+/// POSTs each row to the route's URL, signed; one outcome per row, in order.
+/// The relay does the retries (no QStash in between).
+pub async fn deliver(
+    client: &HttpClient,
+    route: &Route,
+    rows: &[OutboxRow],
+    max_message_bytes: usize,
+) -> Vec<Outcome> {
+    let key = route
+        .config
+        .signing_secret
+        .as_deref()
+        .and_then(|s| decode_secret(s).ok())
+        .unwrap_or_default();
+    join_all(rows.iter().map(|row| {
+        let key = &key;
+        async move {
+            let request = match request(route, row, key, max_message_bytes) {
+                Ok(r) => r,
+                Err(outcome) => return outcome,
+            };
+            let result = client.send(request).await;
+            metrics::record_request("webhook", &result);
+            match result {
+                Ok(response) => classify(&response),
+                Err(e) => transport_outcome(&e),
+            }
+        }
+    }))
+    .await
+}
+
+/// The signed request for one row.
+pub fn request(
+    route: &Route,
+    row: &OutboxRow,
+    key: &[u8],
+    max_message_bytes: usize,
+) -> Result<Request<Full<Bytes>>, Outcome> {
+    let url = super::destination(route, row)?;
+    let body = super::body(route, row);
+    if body.len() > max_message_bytes {
+        return Err(Outcome::Dead {
+            reason: DeadReason::TooLarge,
+            error: format!(
+                "message of {} bytes is over the {max_message_bytes}-byte limit",
+                body.len()
+            ),
+        });
+    }
+    let timestamp = chrono::Utc::now().timestamp();
+    let method = Method::from_bytes(route.config.method.to_ascii_uppercase().as_bytes())
+        .unwrap_or(Method::POST);
+    let mut builder = Request::builder().method(method).uri(&url);
+    // Application headers first, so ours cannot be overridden by them.
+    for (name, value) in &row.headers {
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_str(value),
+        ) {
+            builder = builder.header(n, v);
+        }
+    }
+    let id = row.id.to_string();
+    builder
+        .header(CONTENT_TYPE, "application/json")
+        .header(USER_AGENT, "outbox-relay")
+        .header("webhook-id", row.idempotency_key.as_str())
+        .header("webhook-timestamp", timestamp.to_string())
+        .header(
+            "webhook-signature",
+            sign(key, &row.idempotency_key, timestamp, &body),
+        )
+        .header("x-outbox-id", id.as_str())
+        .header("x-event-id", id.as_str())
+        .body(Full::new(Bytes::from(body)))
+        .map_err(|e| Outcome::Dead {
+            reason: DeadReason::BadDestination,
+            error: super::truncate(
+                format!("cannot build a request to `{url}`: {e}"),
+                super::MAX_ERROR_CHARS,
+            ),
+        })
 }
 
 #[cfg(test)]

@@ -1,0 +1,272 @@
+//! The actor tree (DESIGN.md, "Data path"):
+//!
+//! ```text
+//! Supervisor ─┬─ Listener        LISTEN on its own connection; wakes claimers
+//!             ├─ Claimer × shards claim a batch under a lease; hand rows out
+//!             ├─ Publisher × N    deliver through a sink; one outcome per row
+//!             └─ Marker           write outcomes in multi-row, fenced UPDATEs
+//! ```
+//!
+//! Actors find each other through the [`Directory`], which the supervisor
+//! keeps current across restarts. Rows a crashed actor held are not tracked:
+//! their leases expire and they are claimed again.
+
+pub mod claimer;
+pub mod listener;
+pub mod marker;
+pub mod publisher;
+pub mod supervisor;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use ractor::ActorRef;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::backoff::Backoff;
+use crate::config::Config;
+use crate::db;
+use crate::routes::Router;
+use crate::row::OutboxRow;
+use crate::sink::{DeadReason, Sinks};
+
+pub use claimer::ClaimerMsg;
+pub use marker::MarkerMsg;
+pub use publisher::PublisherMsg;
+pub use supervisor::SupervisorMsg;
+
+/// Everything the actors share, built once at start.
+pub struct Shared {
+    pub config: Config,
+    pub pool: db::Pool,
+    pub router: Router,
+    pub sinks: Sinks,
+    pub backoff: Backoff,
+    /// One permit per row that may be in flight (claimed, not yet marked).
+    pub permits: Arc<Semaphore>,
+    pub in_flight: Arc<InFlight>,
+    pub directory: Directory,
+    pub counters: Arc<Counters>,
+    pub hooks: Hooks,
+}
+
+impl Shared {
+    /// Rows claimed and not yet marked.
+    pub fn in_flight_count(&self) -> usize {
+        (self.config.relay.max_in_flight as usize).saturating_sub(self.permits.available_permits())
+    }
+}
+
+/// A test's choice of rows, by content.
+pub type RowPredicate = Arc<dyn Fn(&OutboxRow) -> bool + Send + Sync>;
+
+/// Fault injection for tests of the recovery path; empty in production.
+#[derive(Clone, Default)]
+pub struct Hooks {
+    /// A publisher handed a row for which this returns true panics.
+    pub publisher_panics_on: Option<RowPredicate>,
+}
+
+/// Totals since start, for `drain`'s summary and readiness.
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub claimed: AtomicU64,
+    pub published: AtomicU64,
+    pub retried: AtomicU64,
+    pub dead_lettered: AtomicU64,
+    pub fenced: AtomicU64,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct CountersSnapshot {
+    pub claimed: u64,
+    pub published: u64,
+    pub retried: u64,
+    pub dead_lettered: u64,
+    pub fenced: u64,
+}
+
+impl Counters {
+    pub fn snapshot(&self) -> CountersSnapshot {
+        CountersSnapshot {
+            claimed: self.claimed.load(Ordering::Relaxed),
+            published: self.published.load(Ordering::Relaxed),
+            retried: self.retried.load(Ordering::Relaxed),
+            dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
+            fenced: self.fenced.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Rows this relay holds a lease on: id → attempt (the fencing token).
+/// Used on shutdown to release the leases of rows that were not delivered.
+#[derive(Debug, Default)]
+pub struct InFlight {
+    rows: Mutex<HashMap<i64, i32>>,
+}
+
+impl InFlight {
+    pub fn snapshot(&self) -> Vec<(i64, i32)> {
+        self.rows
+            .lock()
+            .expect("in-flight lock")
+            .iter()
+            .map(|(id, attempt)| (*id, *attempt))
+            .collect()
+    }
+
+    pub fn len(&self) -> usize {
+        self.rows.lock().expect("in-flight lock").len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A claimed row's hold on the relay: its in-flight permit and its place in
+/// [`InFlight`]. Dropping it, after the mark or with a crashed actor's state,
+/// gives both back.
+#[derive(Debug)]
+pub struct Lease {
+    pub id: i64,
+    pub attempt: i32,
+    _permit: OwnedSemaphorePermit,
+    in_flight: Arc<InFlight>,
+}
+
+impl Lease {
+    pub fn new(
+        id: i64,
+        attempt: i32,
+        permit: OwnedSemaphorePermit,
+        in_flight: &Arc<InFlight>,
+    ) -> Lease {
+        in_flight
+            .rows
+            .lock()
+            .expect("in-flight lock")
+            .insert(id, attempt);
+        Lease {
+            id,
+            attempt,
+            _permit: permit,
+            in_flight: Arc::clone(in_flight),
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let mut rows = self.in_flight.rows.lock().expect("in-flight lock");
+        // A newer claim of the same row (after our lease expired) keeps its entry.
+        if rows.get(&self.id) == Some(&self.attempt) {
+            rows.remove(&self.id);
+        }
+    }
+}
+
+/// What the marker writes for a row.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Mark {
+    Published,
+    Retry {
+        delay: Duration,
+        error: String,
+    },
+    Dead {
+        reason: DeadReason,
+        error: String,
+    },
+    /// Not attempted after all (shutdown): the lease is given back.
+    Release,
+}
+
+/// A row's outcome on its way to the marker.
+#[derive(Debug)]
+pub struct Marked {
+    pub lease: Lease,
+    pub mark: Mark,
+    /// The route's index, for metric labels; `None` when no route matched.
+    pub route: Option<usize>,
+}
+
+/// Where the live actors are. The supervisor replaces an entry when it
+/// restarts an actor; senders look up on every send.
+#[derive(Default)]
+pub struct Directory {
+    claimers: RwLock<Vec<Option<ActorRef<ClaimerMsg>>>>,
+    publishers: RwLock<Vec<Option<ActorRef<PublisherMsg>>>>,
+    marker: RwLock<Option<ActorRef<MarkerMsg>>>,
+    next_publisher: AtomicUsize,
+}
+
+impl Directory {
+    pub(crate) fn new(shards: usize, publishers: usize) -> Directory {
+        Directory {
+            claimers: RwLock::new(vec![None; shards]),
+            publishers: RwLock::new(vec![None; publishers]),
+            marker: RwLock::new(None),
+            next_publisher: AtomicUsize::new(0),
+        }
+    }
+
+    pub fn marker(&self) -> Option<ActorRef<MarkerMsg>> {
+        self.marker.read().expect("directory lock").clone()
+    }
+
+    pub fn claimers(&self) -> Vec<ActorRef<ClaimerMsg>> {
+        self.claimers
+            .read()
+            .expect("directory lock")
+            .iter()
+            .flatten()
+            .cloned()
+            .collect()
+    }
+
+    pub fn publishers(&self) -> Vec<ActorRef<PublisherMsg>> {
+        self.publishers
+            .read()
+            .expect("directory lock")
+            .iter()
+            .flatten()
+            .cloned()
+            .collect()
+    }
+
+    /// The next live publisher, round robin.
+    pub fn next_publisher(&self) -> Option<ActorRef<PublisherMsg>> {
+        let publishers = self.publishers.read().expect("directory lock");
+        let n = publishers.len();
+        let start = self.next_publisher.fetch_add(1, Ordering::Relaxed);
+        (0..n).find_map(|i| publishers[(start + i) % n].clone())
+    }
+
+    fn set_claimer(&self, shard: usize, actor: Option<ActorRef<ClaimerMsg>>) {
+        self.claimers.write().expect("directory lock")[shard] = actor;
+    }
+
+    fn set_publisher(&self, index: usize, actor: Option<ActorRef<PublisherMsg>>) {
+        self.publishers.write().expect("directory lock")[index] = actor;
+    }
+
+    fn set_marker(&self, actor: Option<ActorRef<MarkerMsg>>) {
+        *self.marker.write().expect("directory lock") = actor;
+    }
+
+    /// Wakes every claimer (a NOTIFY arrived, or the listener reconnected).
+    pub fn wake_claimers(&self) {
+        for claimer in self.claimers() {
+            let _ = claimer.cast(ClaimerMsg::Wake);
+        }
+    }
+}
+
+/// Backoff for reconnecting to the database after an error.
+pub(crate) fn reconnect_delay(failures: u32) -> Duration {
+    let ms = 50u64.saturating_mul(1 << failures.min(7));
+    Duration::from_millis(ms.min(5_000))
+}

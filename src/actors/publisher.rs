@@ -1,0 +1,118 @@
+//! Publisher: one of a pool sharing the HTTP client. Delivers a job (rows of
+//! one route) through its sink and sends one outcome per row to the marker:
+//! published, retry after a jittered backoff, or dead.
+
+use std::sync::Arc;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+
+use super::claimer::send_to_marker;
+use super::{Lease, Mark, Marked, Shared};
+use crate::metrics as m;
+use crate::row::OutboxRow;
+use crate::sink::{DeadReason, Outcome};
+
+#[derive(Debug)]
+pub enum PublisherMsg {
+    Publish {
+        /// Index into the router's routes.
+        route: usize,
+        rows: Vec<OutboxRow>,
+        leases: Vec<Lease>,
+    },
+}
+
+pub struct Publisher;
+
+pub struct PublisherState {
+    shared: Arc<Shared>,
+    rng: rand::rngs::StdRng,
+}
+
+impl Actor for Publisher {
+    type Msg = PublisherMsg;
+    type State = PublisherState;
+    type Arguments = Arc<Shared>;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<PublisherMsg>,
+        shared: Arc<Shared>,
+    ) -> Result<PublisherState, ActorProcessingErr> {
+        use rand::SeedableRng;
+        Ok(PublisherState {
+            shared,
+            rng: rand::rngs::StdRng::from_os_rng(),
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<PublisherMsg>,
+        msg: PublisherMsg,
+        state: &mut PublisherState,
+    ) -> Result<(), ActorProcessingErr> {
+        let PublisherMsg::Publish {
+            route,
+            rows,
+            leases,
+        } = msg;
+        let shared = Arc::clone(&state.shared);
+        if let Some(panics_on) = &shared.hooks.publisher_panics_on {
+            if let Some(row) = rows.iter().find(|r| panics_on(r)) {
+                panic!("injected publisher fault on row {}", row.id);
+            }
+        }
+        let route = &shared.router.routes()[route];
+        let outcomes = shared.sinks.deliver(route, &rows).await;
+        let marked = rows
+            .iter()
+            .zip(leases)
+            .zip(outcomes)
+            .map(|((row, lease), outcome)| Marked {
+                mark: decide(&shared, row, &lease, outcome, &mut state.rng),
+                route: Some(route.index),
+                lease,
+            })
+            .collect();
+        send_to_marker(&shared, marked);
+        Ok(())
+    }
+}
+
+/// Turns a sink's outcome into what the marker writes: a retry on the last
+/// allowed attempt dead-letters instead. (Counting happens in the marker,
+/// for the rows whose mark the database took.)
+fn decide(
+    shared: &Shared,
+    row: &OutboxRow,
+    lease: &Lease,
+    outcome: Outcome,
+    rng: &mut impl rand::Rng,
+) -> Mark {
+    match outcome {
+        Outcome::Published => {
+            if let Ok(age) = (chrono::Utc::now() - row.created_at).to_std() {
+                m::record_commit_to_ack(age);
+            }
+            Mark::Published
+        }
+        Outcome::Retry { after, error } => {
+            let max = shared.config.relay.max_attempts;
+            if lease.attempt as u32 >= max {
+                let error = format!("attempt {} of {max} failed: {error}", lease.attempt);
+                dead(row, DeadReason::Exhausted, error)
+            } else {
+                let delay = shared.backoff.next(lease.attempt as u32, after, rng);
+                tracing::debug!(id = row.id, attempt = lease.attempt, ?delay, %error, "retry");
+                Mark::Retry { delay, error }
+            }
+        }
+        Outcome::Dead { reason, error } => dead(row, reason, error),
+    }
+}
+
+fn dead(row: &OutboxRow, reason: DeadReason, error: String) -> Mark {
+    tracing::warn!(id = row.id, event_type = %row.event_type, reason = reason.as_str(), %error, "dead letter");
+    Mark::Dead { reason, error }
+}

@@ -1,0 +1,284 @@
+//! Supervisor: owns the tree. Spawns every child linked, restarts a failed
+//! child with the same arguments after a backoff (ractor restarts nothing by
+//! itself), counts restarts, and gives up when a child exhausts its restart
+//! budget. Shutdown runs here: claimers stop first, in-flight work gets the
+//! grace period, the marker flushes last, and undelivered leases are released.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
+
+use super::claimer::{Claimer, ClaimerArgs};
+use super::listener::Listener;
+use super::marker::{Marker, MarkerMsg, FLUSH_TIMEOUT};
+use super::publisher::Publisher;
+use super::{CountersSnapshot, Shared};
+use crate::metrics as m;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Child {
+    Marker,
+    Publisher(u32),
+    Claimer(u32),
+    Listener,
+}
+
+impl Child {
+    pub fn label(&self) -> &'static str {
+        match self {
+            Child::Marker => "marker",
+            Child::Publisher(_) => "publisher",
+            Child::Claimer(_) => "claimer",
+            Child::Listener => "listener",
+        }
+    }
+}
+
+pub enum SupervisorMsg {
+    Respawn(Child),
+    Shutdown(RpcReplyPort<ShutdownReport>),
+    /// How many times each kind of child was restarted.
+    Restarts(RpcReplyPort<HashMap<&'static str, u64>>),
+}
+
+/// What shutdown did.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct ShutdownReport {
+    /// Rows still in flight when the grace period ended.
+    pub in_flight_at_deadline: usize,
+    /// Of those, rows whose lease was given back for another relay to take now.
+    pub released: u64,
+    pub counters: CountersSnapshot,
+}
+
+pub struct Supervisor;
+
+pub struct SupervisorState {
+    shared: Arc<Shared>,
+    children: HashMap<ActorId, Child>,
+    recent: HashMap<Child, VecDeque<Instant>>,
+    restarts: HashMap<&'static str, u64>,
+    stopping: bool,
+}
+
+impl Actor for Supervisor {
+    type Msg = SupervisorMsg;
+    type State = SupervisorState;
+    type Arguments = Arc<Shared>;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<SupervisorMsg>,
+        shared: Arc<Shared>,
+    ) -> Result<SupervisorState, ActorProcessingErr> {
+        let mut state = SupervisorState {
+            children: HashMap::new(),
+            recent: HashMap::new(),
+            restarts: HashMap::new(),
+            stopping: false,
+            shared,
+        };
+        let relay = &state.shared.config.relay;
+        let mut all = vec![Child::Marker];
+        all.extend((0..relay.publishers).map(Child::Publisher));
+        all.extend((0..relay.shards).map(Child::Claimer));
+        all.push(Child::Listener);
+        for child in all {
+            if let Err(e) = spawn(&myself, &mut state, child).await {
+                // Not fatal: try again shortly.
+                tracing::warn!(actor = child.label(), error = %e, "could not start; retrying");
+                myself.send_after(Duration::from_millis(100), move || {
+                    SupervisorMsg::Respawn(child)
+                });
+            }
+        }
+        Ok(state)
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<SupervisorMsg>,
+        msg: SupervisorMsg,
+        state: &mut SupervisorState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            SupervisorMsg::Respawn(child) => {
+                if state.stopping {
+                    return Ok(());
+                }
+                match spawn(&myself, state, child).await {
+                    Ok(()) => tracing::info!(actor = child.label(), "restarted"),
+                    Err(e) => {
+                        let delay = restart_delay(state.recent.get(&child).map_or(0, |r| r.len()));
+                        tracing::warn!(actor = child.label(), error = %e, retry_in = ?delay, "restart failed; retrying");
+                        myself.send_after(delay, move || SupervisorMsg::Respawn(child));
+                    }
+                }
+            }
+            SupervisorMsg::Shutdown(reply) => {
+                state.stopping = true;
+                let report = shutdown(state).await;
+                let _ = reply.send(report);
+                myself.stop(Some("shutdown".into()));
+            }
+            SupervisorMsg::Restarts(reply) => {
+                let _ = reply.send(state.restarts.clone());
+            }
+        }
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        myself: ActorRef<SupervisorMsg>,
+        event: SupervisionEvent,
+        state: &mut SupervisorState,
+    ) -> Result<(), ActorProcessingErr> {
+        let (id, why) = match event {
+            SupervisionEvent::ActorFailed(cell, err) => (cell.get_id(), err.to_string()),
+            SupervisionEvent::ActorTerminated(cell, _, reason) => (
+                cell.get_id(),
+                reason.unwrap_or_else(|| "stopped".to_owned()),
+            ),
+            _ => return Ok(()),
+        };
+        let Some(child) = state.children.remove(&id) else {
+            return Ok(());
+        };
+        forget(&state.shared, child);
+        if state.stopping {
+            return Ok(());
+        }
+        tracing::error!(actor = child.label(), reason = %why, "actor died; its rows' leases will expire");
+        m::count_actor_restart(child.label());
+        *state.restarts.entry(child.label()).or_default() += 1;
+        let window = state.shared.config.relay.restart_window;
+        let budget = state.shared.config.relay.max_restarts as usize;
+        let recent = state.recent.entry(child).or_default();
+        let now = Instant::now();
+        recent.push_back(now);
+        while recent
+            .front()
+            .is_some_and(|t| now.duration_since(*t) > window)
+        {
+            recent.pop_front();
+        }
+        if recent.len() > budget {
+            let reason = format!(
+                "{} restarted {} times within {:?}: giving up",
+                child.label(),
+                recent.len(),
+                window
+            );
+            tracing::error!("{reason}");
+            myself.stop(Some(reason));
+            return Ok(());
+        }
+        let delay = restart_delay(recent.len());
+        myself.send_after(delay, move || SupervisorMsg::Respawn(child));
+        Ok(())
+    }
+}
+
+/// 50 ms, doubling with each recent restart, at most 5 s: a crash loop is
+/// visible and bounded instead of spinning.
+fn restart_delay(recent: usize) -> Duration {
+    Duration::from_millis((50u64 << recent.min(7)).min(5_000))
+}
+
+async fn spawn(
+    myself: &ActorRef<SupervisorMsg>,
+    state: &mut SupervisorState,
+    child: Child,
+) -> Result<(), ractor::SpawnErr> {
+    let shared = Arc::clone(&state.shared);
+    let cell = myself.get_cell();
+    let id = match child {
+        Child::Marker => {
+            let (actor, _) = Actor::spawn_linked(None, Marker, shared.clone(), cell).await?;
+            shared.directory.set_marker(Some(actor.clone()));
+            actor.get_id()
+        }
+        Child::Publisher(i) => {
+            let (actor, _) = Actor::spawn_linked(None, Publisher, shared.clone(), cell).await?;
+            shared
+                .directory
+                .set_publisher(i as usize, Some(actor.clone()));
+            actor.get_id()
+        }
+        Child::Claimer(shard) => {
+            let args = ClaimerArgs {
+                shard,
+                shared: shared.clone(),
+            };
+            let (actor, _) = Actor::spawn_linked(None, Claimer, args, cell).await?;
+            shared
+                .directory
+                .set_claimer(shard as usize, Some(actor.clone()));
+            actor.get_id()
+        }
+        Child::Listener => {
+            let (actor, _) = Actor::spawn_linked(None, Listener, shared.clone(), cell).await?;
+            actor.get_id()
+        }
+    };
+    state.children.insert(id, child);
+    Ok(())
+}
+
+fn forget(shared: &Shared, child: Child) {
+    match child {
+        Child::Marker => shared.directory.set_marker(None),
+        Child::Publisher(i) => shared.directory.set_publisher(i as usize, None),
+        Child::Claimer(shard) => shared.directory.set_claimer(shard as usize, None),
+        Child::Listener => {}
+    }
+}
+
+async fn shutdown(state: &mut SupervisorState) -> ShutdownReport {
+    let shared = Arc::clone(&state.shared);
+    // 1. Stop claiming.
+    for claimer in shared.directory.claimers() {
+        let _ = claimer
+            .stop_and_wait(Some("shutdown".into()), Some(Duration::from_secs(5)))
+            .await;
+    }
+    // 2. In-flight publishes and their marks get the grace period.
+    let deadline = Instant::now() + shared.config.relay.shutdown_grace;
+    while shared.in_flight_count() > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let in_flight_at_deadline = shared.in_flight.len();
+    // 3. Flush what the marker holds, then give back the leases of rows that
+    //    were never delivered, so another relay takes them at once.
+    let mut released = 0;
+    if let Some(marker) = shared.directory.marker() {
+        let _ = marker.call(MarkerMsg::FlushNow, Some(FLUSH_TIMEOUT)).await;
+        let rest = shared.in_flight.snapshot();
+        if !rest.is_empty() {
+            if let Ok(ractor::rpc::CallResult::Success(n)) = marker
+                .call(|reply| MarkerMsg::Release(rest, reply), Some(FLUSH_TIMEOUT))
+                .await
+            {
+                released = n;
+            }
+        }
+    }
+    // 4. Everything else. Publishers still waiting on a destination are cut off:
+    //    their rows were released above.
+    for publisher in shared.directory.publishers() {
+        publisher.kill();
+    }
+    if let Some(marker) = shared.directory.marker() {
+        let _ = marker
+            .stop_and_wait(Some("shutdown".into()), Some(Duration::from_secs(5)))
+            .await;
+    }
+    ShutdownReport {
+        in_flight_at_deadline,
+        released,
+        counters: shared.counters.snapshot(),
+    }
+}

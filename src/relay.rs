@@ -1,0 +1,228 @@
+//! Starting and stopping the engine: builds what the actors share, spawns the
+//! supervisor, and offers the two ways to run it: until told to stop (the
+//! daemon) or until the backlog is empty (`drain`).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ractor::{Actor, ActorRef, ActorStatus};
+use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
+
+use crate::actors::supervisor::{ShutdownReport, Supervisor, SupervisorMsg};
+use crate::actors::{CountersSnapshot, Directory, Hooks, InFlight, Shared};
+use crate::backoff::Backoff;
+use crate::config::Config;
+use crate::db;
+use crate::routes::Router;
+use crate::sink::{qstash::QstashSink, HttpClient, Sinks};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    #[error("configuration: {0}")]
+    Config(String),
+    #[error(transparent)]
+    Db(#[from] db::DbError),
+    #[error("the database schema is not ready: {0} (run `outbox-relay migrate`)")]
+    Schema(String),
+    #[error("could not start the actor tree: {0}")]
+    Spawn(#[from] ractor::SpawnErr),
+}
+
+/// A running relay.
+pub struct Relay {
+    supervisor: ActorRef<SupervisorMsg>,
+    join: JoinHandle<()>,
+    shared: Arc<Shared>,
+}
+
+/// What `drain` did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DrainReport {
+    pub counters: CountersSnapshot,
+    pub elapsed_secs: f64,
+    /// Rows still pending when it stopped (non-zero only after `max_duration`).
+    pub remaining: i64,
+    pub timed_out: bool,
+}
+
+impl Relay {
+    pub async fn start(config: Config) -> Result<Relay, RelayError> {
+        Self::start_with_hooks(config, Hooks::default()).await
+    }
+
+    /// Like [`Relay::start`] with fault injection (tests of the recovery path).
+    pub async fn start_with_hooks(config: Config, hooks: Hooks) -> Result<Relay, RelayError> {
+        config
+            .validate()
+            .map_err(|e| RelayError::Config(e.to_string()))?;
+        let pool = db::pool(
+            &config.database.url,
+            config.database.pool_size,
+            config.database.connect_timeout,
+        )?;
+        check_schema(&pool).await?;
+        let router = Router::new(&config.routes).map_err(RelayError::Config)?;
+        let client = HttpClient::new(&config.http);
+        let shared = Arc::new(Shared {
+            sinks: Sinks {
+                client,
+                qstash: QstashSink::new(&config.qstash),
+                max_message_bytes: config.http.max_message_bytes,
+            },
+            backoff: Backoff {
+                base: config.relay.backoff_base,
+                cap: config.relay.backoff_cap,
+            },
+            permits: Arc::new(Semaphore::new(config.relay.max_in_flight as usize)),
+            in_flight: Arc::new(InFlight::default()),
+            directory: Directory::new(
+                config.relay.shards as usize,
+                config.relay.publishers as usize,
+            ),
+            counters: Default::default(),
+            hooks,
+            router,
+            pool,
+            config,
+        });
+        let (supervisor, join) = Actor::spawn(None, Supervisor, Arc::clone(&shared)).await?;
+        Ok(Relay {
+            supervisor,
+            join,
+            shared,
+        })
+    }
+
+    pub fn counters(&self) -> CountersSnapshot {
+        self.shared.counters.snapshot()
+    }
+
+    /// The live counters (for the readiness sampler).
+    pub fn counters_handle(&self) -> Arc<crate::actors::Counters> {
+        Arc::clone(&self.shared.counters)
+    }
+
+    /// Rows claimed and not yet marked.
+    pub fn in_flight(&self) -> usize {
+        self.shared.in_flight_count()
+    }
+
+    pub fn pool(&self) -> &db::Pool {
+        &self.shared.pool
+    }
+
+    /// Restarts per kind of actor since start.
+    pub async fn restarts(&self) -> HashMap<&'static str, u64> {
+        match self
+            .supervisor
+            .call(SupervisorMsg::Restarts, Some(Duration::from_secs(5)))
+            .await
+        {
+            Ok(ractor::rpc::CallResult::Success(r)) => r,
+            _ => HashMap::new(),
+        }
+    }
+
+    /// True while the actor tree runs (false after it gave up on a crash loop).
+    pub fn is_running(&self) -> bool {
+        matches!(
+            self.supervisor.get_status(),
+            ActorStatus::Running | ActorStatus::Starting | ActorStatus::Upgrading
+        )
+    }
+
+    /// Resolves when the actor tree stops by itself (restart budget exhausted).
+    pub async fn stopped(&mut self) {
+        let _ = (&mut self.join).await;
+    }
+
+    /// Graceful stop: claimers first, in-flight work within the grace period,
+    /// the marker flushed, undelivered leases released.
+    pub async fn shutdown(self) -> ShutdownReport {
+        let grace = self.shared.config.relay.shutdown_grace;
+        let report = match self
+            .supervisor
+            .call(
+                SupervisorMsg::Shutdown,
+                Some(grace + Duration::from_secs(70)),
+            )
+            .await
+        {
+            Ok(ractor::rpc::CallResult::Success(report)) => report,
+            _ => ShutdownReport {
+                counters: self.shared.counters.snapshot(),
+                ..Default::default()
+            },
+        };
+        let _ = self.join.await;
+        report
+    }
+
+    /// Runs until no row is pending (or `max_duration` passes), then stops
+    /// gracefully. For cron-style deployments.
+    pub async fn drain(
+        config: Config,
+        max_duration: Option<Duration>,
+    ) -> Result<DrainReport, RelayError> {
+        let started = Instant::now();
+        let poll = config.relay.poll_interval.min(Duration::from_millis(200));
+        let relay = Relay::start(config).await?;
+        let client = relay.shared.pool.get().await.map_err(db::DbError::from)?;
+        let (remaining, timed_out) = loop {
+            tokio::time::sleep(poll).await;
+            let pending: i64 = client
+                .query_one(PENDING_COUNT_SQL, &[])
+                .await
+                .map_err(db::DbError::from)?
+                .get(0);
+            if pending == 0 && relay.in_flight() == 0 {
+                break (0, false);
+            }
+            if max_duration.is_some_and(|d| started.elapsed() >= d) {
+                break (pending, true);
+            }
+            if !relay.is_running() {
+                break (pending, false);
+            }
+        };
+        drop(client);
+        let report = relay.shutdown().await;
+        Ok(DrainReport {
+            counters: report.counters,
+            elapsed_secs: started.elapsed().as_secs_f64(),
+            remaining,
+            timed_out,
+        })
+    }
+}
+
+const PENDING_COUNT_SQL: &str =
+    "SELECT count(*) FROM outbox WHERE published_at IS NULL AND dead_lettered_at IS NULL";
+
+async fn check_schema(pool: &db::Pool) -> Result<(), RelayError> {
+    let client = pool.get().await.map_err(db::DbError::from)?;
+    let latest = db::migrate::MIGRATIONS
+        .iter()
+        .map(|m| m.version)
+        .max()
+        .unwrap_or(0);
+    let applied: Option<i32> = match client
+        .query_one("SELECT max(version) FROM outbox_relay_migrations", &[])
+        .await
+    {
+        Ok(row) => row.get(0),
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => None,
+        Err(e) => return Err(db::DbError::from(e).into()),
+    };
+    match applied {
+        None => Err(RelayError::Schema(
+            "no outbox schema in this database".into(),
+        )),
+        Some(v) if v < latest => Err(RelayError::Schema(format!(
+            "schema is at migration {v}, this relay needs {latest}"
+        ))),
+        Some(_) => Ok(()),
+    }
+}

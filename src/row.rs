@@ -1,0 +1,156 @@
+//! An outbox row as the relay holds it between claim and mark.
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use uuid::Uuid;
+
+/// A claimed row. `payload` stays the JSON text PostgreSQL returned: it is
+/// passed through into the request body without being parsed and re-encoded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutboxRow {
+    pub id: i64,
+    pub tenant_id: Uuid,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub event_type: String,
+    pub payload: String,
+    /// `(name, value)` pairs from the `headers` object.
+    pub headers: Vec<(String, String)>,
+    pub idempotency_key: String,
+    pub partition_key: String,
+    pub created_at: DateTime<Utc>,
+    /// This claim's attempt number; also the lease's fencing token.
+    pub attempt: i32,
+}
+
+impl OutboxRow {
+    /// The event as consumers receive it (seed 000's body plus the key and time):
+    /// `{"id","type","aggregateType","aggregateId","tenantId","partitionKey","payload","createdAt"}`,
+    /// compact, with `payload` copied through byte for byte.
+    pub fn envelope(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.payload.len() + 256);
+        out.extend_from_slice(b"{\"id\":\"");
+        out.extend_from_slice(self.id.to_string().as_bytes());
+        out.extend_from_slice(b"\",\"type\":");
+        push_json_str(&mut out, &self.event_type);
+        out.extend_from_slice(b",\"aggregateType\":");
+        push_json_str(&mut out, &self.aggregate_type);
+        out.extend_from_slice(b",\"aggregateId\":");
+        push_json_str(&mut out, &self.aggregate_id);
+        out.extend_from_slice(b",\"tenantId\":\"");
+        out.extend_from_slice(self.tenant_id.hyphenated().to_string().as_bytes());
+        out.extend_from_slice(b"\",\"partitionKey\":");
+        push_json_str(&mut out, &self.partition_key);
+        out.extend_from_slice(b",\"payload\":");
+        out.extend_from_slice(self.payload.as_bytes());
+        out.extend_from_slice(b",\"createdAt\":\"");
+        out.extend_from_slice(
+            self.created_at
+                .to_rfc3339_opts(SecondsFormat::Micros, true)
+                .as_bytes(),
+        );
+        out.extend_from_slice(b"\"}");
+        out
+    }
+}
+
+fn push_json_str(out: &mut Vec<u8>, s: &str) {
+    // serde_json's escaping, without building a Value.
+    serde_json::to_writer(&mut *out, s).expect("writing to a Vec cannot fail");
+}
+
+/// Removes the whitespace PostgreSQL's `jsonb` output puts after `:` and `,`,
+/// so the body is compact JSON without a parse and re-encode of the payload.
+pub fn compact_json(text: &str) -> String {
+    let bytes = text.as_bytes();
+    if !bytes.contains(&b' ') && !bytes.contains(&b'\n') {
+        return text.to_owned();
+    }
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut in_string = false;
+    let mut escaped = false;
+    for &b in bytes {
+        if in_string {
+            out.push(b);
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                in_string = false;
+            }
+        } else if b == b'"' {
+            in_string = true;
+            out.push(b);
+        } else if !matches!(b, b' ' | b'\n' | b'\r' | b'\t') {
+            out.push(b);
+        }
+    }
+    // Only ASCII whitespace outside strings was removed: still valid UTF-8.
+    String::from_utf8(out).expect("removing ASCII bytes keeps UTF-8 valid")
+}
+
+/// Parses the `headers` column (a JSON object of strings; validated on enqueue,
+/// but an application may have written anything: non-strings are skipped).
+pub fn parse_headers(text: &str) -> Vec<(String, String)> {
+    if text == "{}" {
+        return Vec::new();
+    }
+    match serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(text) {
+        Ok(map) => map
+            .into_iter()
+            .filter_map(|(k, v)| match v {
+                serde_json::Value::String(s) => Some((k, s)),
+                _ => None,
+            })
+            .collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn envelope_is_compact_json_with_the_payload_passed_through() {
+        let row = OutboxRow {
+            id: 42,
+            tenant_id: Uuid::nil(),
+            aggregate_type: "order".into(),
+            aggregate_id: "o\"1".into(),
+            event_type: "order.placed".into(),
+            payload: r#"{"orderId": "o1", "n": 1.50}"#.into(),
+            headers: vec![],
+            idempotency_key: "k".into(),
+            partition_key: "order:o1".into(),
+            created_at: DateTime::from_timestamp(1_700_000_000, 123_456_000).unwrap(),
+            attempt: 1,
+        };
+        let text = String::from_utf8(row.envelope()).unwrap();
+        assert_eq!(
+            text,
+            r#"{"id":"42","type":"order.placed","aggregateType":"order","aggregateId":"o\"1","tenantId":"00000000-0000-0000-0000-000000000000","partitionKey":"order:o1","payload":{"orderId": "o1", "n": 1.50},"createdAt":"2023-11-14T22:13:20.123456Z"}"#
+        );
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["payload"]["orderId"], "o1");
+    }
+
+    #[test]
+    fn compacts_jsonb_text_but_not_strings() {
+        assert_eq!(
+            compact_json(r#"{"a": [1, 2], "b": "x, y: \" z", "c": {"d": null}}"#),
+            r#"{"a":[1,2],"b":"x, y: \" z","c":{"d":null}}"#
+        );
+        assert_eq!(compact_json(r#"{"a":1}"#), r#"{"a":1}"#);
+    }
+
+    #[test]
+    fn headers_skip_non_strings() {
+        assert_eq!(parse_headers("{}"), vec![]);
+        assert_eq!(
+            parse_headers(r#"{"a":"1","b":2}"#),
+            vec![("a".to_owned(), "1".to_owned())]
+        );
+        assert_eq!(parse_headers("not json"), vec![]);
+    }
+}

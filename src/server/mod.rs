@@ -1,0 +1,5 @@
+//! The relay's HTTP endpoints. Operations (`/metrics`, `/healthz`, `/readyz`)
+//! listen on a private address; QStash's failure callback gets a listener of
+//! its own, since it must face the internet.
+
+pub mod ops;

@@ -1,0 +1,168 @@
+//! `/metrics` (Prometheus text), `/healthz` (the process answers) and
+//! `/readyz` (the database answers and delivery is not stalled).
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::Serialize;
+
+use crate::actors::Counters;
+use crate::db;
+
+/// What `/readyz` last learned, refreshed by [`sample_forever`].
+#[derive(Debug, Clone, Serialize)]
+pub struct Readiness {
+    pub ready: bool,
+    pub reason: String,
+    pub database: bool,
+    pub oldest_pending_age_seconds: f64,
+    pub delivered_since_last_check: u64,
+    #[serde(skip)]
+    pub checked_at: Option<Instant>,
+}
+
+impl Default for Readiness {
+    fn default() -> Self {
+        Readiness {
+            ready: false,
+            reason: "not checked yet".into(),
+            database: false,
+            oldest_pending_age_seconds: 0.0,
+            delivered_since_last_check: 0,
+            checked_at: None,
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct OpsState {
+    pub metrics: Option<PrometheusHandle>,
+    pub readiness: Arc<Mutex<Readiness>>,
+}
+
+pub fn router(state: OpsState) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { (StatusCode::OK, "ok\n") }))
+        .route("/readyz", get(readyz))
+        .with_state(state)
+}
+
+async fn metrics(State(state): State<OpsState>) -> Response {
+    match &state.metrics {
+        Some(handle) => (
+            [("content-type", "text/plain; version=0.0.4")],
+            handle.render(),
+        )
+            .into_response(),
+        None => (StatusCode::NOT_FOUND, "metrics are not enabled\n").into_response(),
+    }
+}
+
+async fn readyz(State(state): State<OpsState>) -> Response {
+    let r = state.readiness.lock().expect("readiness lock").clone();
+    let status = if r.ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(r)).into_response()
+}
+
+/// Serves `router` on `addr` until `shutdown` resolves.
+pub async fn serve(
+    addr: SocketAddr,
+    router: Router,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let local = listener.local_addr()?;
+    let task = tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, router)
+            .with_graceful_shutdown(shutdown)
+            .await
+        {
+            tracing::error!(error = %e, "HTTP server failed");
+        }
+    });
+    Ok((local, task))
+}
+
+const OLDEST_PENDING_SQL: &str =
+    "SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8
+FROM outbox WHERE published_at IS NULL AND dead_lettered_at IS NULL";
+
+/// Every `interval`: is the database reachable, and is delivery moving? Not
+/// ready when the oldest pending row is older than `max_pending_age` and
+/// nothing was delivered since the previous check.
+pub async fn sample_forever(
+    pool: db::Pool,
+    counters: Arc<Counters>,
+    readiness: Arc<Mutex<Readiness>>,
+    interval: Duration,
+    max_pending_age: Duration,
+) {
+    let mut last_delivered = delivered(&counters);
+    let mut ticker = tokio::time::interval(interval);
+    loop {
+        ticker.tick().await;
+        let now_delivered = delivered(&counters);
+        let progress = now_delivered - last_delivered;
+        last_delivered = now_delivered;
+        let sampled = tokio::time::timeout(interval.max(Duration::from_secs(2)), async {
+            let client = pool.get().await.map_err(db::DbError::from)?;
+            let row = client
+                .query_one(OLDEST_PENDING_SQL, &[])
+                .await
+                .map_err(db::DbError::from)?;
+            Ok::<f64, db::DbError>(row.get(0))
+        })
+        .await;
+        let next = match sampled {
+            Ok(Ok(age)) => {
+                let stalled = age > max_pending_age.as_secs_f64() && progress == 0;
+                Readiness {
+                    ready: !stalled,
+                    reason: if stalled {
+                        format!(
+                            "oldest pending event is {age:.0}s old (limit {}s) and nothing was delivered since the last check",
+                            max_pending_age.as_secs()
+                        )
+                    } else {
+                        "ok".into()
+                    },
+                    database: true,
+                    oldest_pending_age_seconds: age,
+                    delivered_since_last_check: progress,
+                    checked_at: Some(Instant::now()),
+                }
+            }
+            Ok(Err(e)) => unreachable_db(format!("database: {e}"), progress),
+            Err(_) => unreachable_db("database did not answer in time".into(), progress),
+        };
+        *readiness.lock().expect("readiness lock") = next;
+    }
+}
+
+fn unreachable_db(reason: String, progress: u64) -> Readiness {
+    Readiness {
+        ready: false,
+        reason,
+        database: false,
+        delivered_since_last_check: progress,
+        checked_at: Some(Instant::now()),
+        ..Default::default()
+    }
+}
+
+fn delivered(c: &Counters) -> u64 {
+    use std::sync::atomic::Ordering::Relaxed;
+    c.published.load(Relaxed) + c.dead_lettered.load(Relaxed)
+}

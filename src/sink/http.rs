@@ -1,0 +1,128 @@
+//! One keep-alive HTTP client for every publisher: hyper-util's pooled client
+//! over rustls (ring), HTTP/1.1 and HTTP/2, with the timeouts hyper lacks.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+
+use crate::config::HttpConfig;
+
+pub type HttpsClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+
+/// An answer from the destination, body cut to the configured size.
+#[derive(Debug, Clone)]
+pub struct Response {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    pub elapsed: Duration,
+}
+
+/// Why no answer came back. Every variant is worth a retry.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    #[error("connect: {0}")]
+    Connect(String),
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    #[error("request: {0}")]
+    Request(String),
+    #[error("reading the response: {0}")]
+    Body(String),
+}
+
+#[derive(Clone)]
+pub struct HttpClient {
+    client: HttpsClient,
+    request_timeout: Duration,
+    max_response_bytes: usize,
+}
+
+impl HttpClient {
+    pub fn new(config: &HttpConfig) -> HttpClient {
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        http.set_connect_timeout(Some(config.connect_timeout));
+        http.set_nodelay(true);
+        http.set_keepalive(Some(Duration::from_secs(60)));
+        let roots =
+            rustls::RootCertStore::from_iter(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+        let tls = rustls::ClientConfig::builder()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let https = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .enable_http2()
+            .wrap_connector(http);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(config.pool_idle_timeout_secs))
+            .pool_timer(TokioTimer::new())
+            .timer(TokioTimer::new())
+            .http2_keep_alive_interval(Duration::from_secs(30))
+            .http2_keep_alive_timeout(Duration::from_secs(10))
+            .http2_adaptive_window(true)
+            .build(https);
+        HttpClient {
+            client,
+            request_timeout: config.request_timeout,
+            max_response_bytes: config.max_response_bytes,
+        }
+    }
+
+    /// Sends a request and reads the whole answer within the request timeout.
+    pub async fn send(&self, request: Request<Full<Bytes>>) -> Result<Response, TransportError> {
+        let started = Instant::now();
+        let limit = self.max_response_bytes;
+        let exchange = async {
+            let response = self.client.request(request).await.map_err(|e| {
+                if e.is_connect() {
+                    TransportError::Connect(error_chain(&e))
+                } else {
+                    TransportError::Request(error_chain(&e))
+                }
+            })?;
+            let (parts, body) = response.into_parts();
+            // A long error page only feeds `last_error`: keep its start and drop
+            // the rest, rather than failing the exchange.
+            let body = match Limited::new(body, limit).collect().await {
+                Ok(collected) => collected.to_bytes(),
+                Err(e)
+                    if e.downcast_ref::<http_body_util::LengthLimitError>()
+                        .is_some() =>
+                {
+                    Bytes::from_static(b"(response body over the size limit)")
+                }
+                Err(e) => return Err(TransportError::Body(e.to_string())),
+            };
+            Ok(Response {
+                status: parts.status,
+                headers: parts.headers,
+                body,
+                elapsed: started.elapsed(),
+            })
+        };
+        match tokio::time::timeout(self.request_timeout, exchange).await {
+            Ok(result) => result,
+            Err(_) => Err(TransportError::Timeout(self.request_timeout)),
+        }
+    }
+}
+
+/// `error: cause: cause` — hyper's top-level messages say little on their own.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}

@@ -1,0 +1,315 @@
+//! Publishing to QStash exactly as the official SDK does (`qstash.md` §1–2):
+//! `POST /v2/batch` with many messages per request (the throughput path), or
+//! `POST /v2/publish/{destination}` one by one.
+
+use bytes::Bytes;
+use futures_util::future::join_all;
+use http::header::{AUTHORIZATION, CONTENT_TYPE};
+use http::{HeaderValue, Method, Request};
+use http_body_util::Full;
+use serde::Serialize;
+
+use super::http::HttpClient;
+use super::{classify, transport_outcome, DeadReason, Outcome, MAX_ERROR_CHARS};
+use crate::config::{PublishMode, QstashConfig};
+use crate::metrics;
+use crate::routes::Route;
+use crate::row::OutboxRow;
+
+/// One message as QStash takes it: destination, lower-case headers, body.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Message {
+    pub destination: String,
+    #[serde(serialize_with = "headers_as_object")]
+    pub headers: Vec<(String, String)>,
+    #[serde(serialize_with = "body_as_string")]
+    pub body: Vec<u8>,
+}
+
+fn headers_as_object<S: serde::Serializer>(
+    headers: &[(String, String)],
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeMap;
+    let mut map = s.serialize_map(Some(headers.len()))?;
+    for (k, v) in headers {
+        map.serialize_entry(k, v)?;
+    }
+    map.end()
+}
+
+fn body_as_string<S: serde::Serializer>(body: &[u8], s: S) -> Result<S::Ok, S::Error> {
+    // Bodies are JSON we built or the row's payload: always UTF-8.
+    s.serialize_str(&String::from_utf8_lossy(body))
+}
+
+#[derive(Clone)]
+pub struct QstashSink {
+    base: String,
+    authorization: HeaderValue,
+    mode: PublishMode,
+    batch_size: usize,
+}
+
+impl QstashSink {
+    pub fn new(config: &QstashConfig) -> QstashSink {
+        let mut authorization = HeaderValue::from_str(&format!("Bearer {}", config.token))
+            .unwrap_or_else(|_| HeaderValue::from_static("Bearer"));
+        authorization.set_sensitive(true);
+        QstashSink {
+            base: config.url.trim_end_matches('/').to_owned(),
+            authorization,
+            mode: config.mode,
+            batch_size: config.batch_size as usize,
+        }
+    }
+
+    /// The message for one row, with the headers `processHeaders` would send
+    /// for the route's options (telemetry headers aside).
+    pub fn message(&self, route: &Route, row: &OutboxRow) -> Result<Message, Outcome> {
+        let destination = super::destination(route, row)?;
+        let c = &route.config;
+        let mut headers: Vec<(String, String)> = Vec::with_capacity(12 + row.headers.len());
+        headers.push(("content-type".into(), "application/json".into()));
+        headers.push(("upstash-method".into(), c.method.to_ascii_uppercase()));
+        headers.push((
+            "upstash-deduplication-id".into(),
+            row.idempotency_key.clone(),
+        ));
+        if let Some(retries) = c.retries {
+            headers.push(("upstash-retries".into(), retries.to_string()));
+        }
+        if let Some(delay) = c.delay {
+            headers.push(("upstash-delay".into(), format!("{}s", delay.as_secs())));
+        }
+        if let Some(cb) = &c.failure_callback {
+            headers.push(("upstash-failure-callback".into(), cb.clone()));
+        }
+        if let Some((key, value)) = flow_control(route, row) {
+            headers.push(("upstash-flow-control-key".into(), key));
+            headers.push(("upstash-flow-control-value".into(), value));
+        }
+        // The SDK forwards user headers with the `Upstash-Forward-` prefix,
+        // lower-cased, except content-type and upstash-* which pass as they are.
+        for (name, value) in &row.headers {
+            let lower = name.to_ascii_lowercase();
+            if lower.starts_with("content-type") || lower.starts_with("upstash-") {
+                if let Some(slot) = headers.iter_mut().find(|(k, _)| *k == lower) {
+                    slot.1 = value.clone();
+                } else {
+                    headers.push((lower, value.clone()));
+                }
+            } else {
+                headers.push((format!("upstash-forward-{lower}"), value.clone()));
+            }
+        }
+        let id = row.id.to_string();
+        headers.push(("upstash-forward-x-outbox-id".into(), id.clone()));
+        headers.push(("upstash-forward-x-event-id".into(), id));
+        Ok(Message {
+            destination,
+            headers,
+            body: super::body(route, row),
+        })
+    }
+
+    pub fn batch_request(&self, messages: &[Message]) -> Request<Full<Bytes>> {
+        let body = serde_json::to_vec(messages).expect("messages serialize");
+        Request::builder()
+            .method(Method::POST)
+            .uri(format!("{}/v2/batch", self.base))
+            .header(AUTHORIZATION, self.authorization.clone())
+            .header(CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .expect("a valid request")
+    }
+
+    /// `POST /v2/publish/{destination}`; the destination is not percent-encoded,
+    /// as the SDK sends it.
+    pub fn publish_request(&self, message: &Message) -> Result<Request<Full<Bytes>>, Outcome> {
+        let mut builder = Request::builder()
+            .method(Method::POST)
+            .uri(format!("{}/v2/publish/{}", self.base, message.destination))
+            .header(AUTHORIZATION, self.authorization.clone());
+        for (k, v) in &message.headers {
+            builder = builder.header(k.as_str(), v.as_str());
+        }
+        builder
+            .body(Full::new(Bytes::from(message.body.clone())))
+            .map_err(|e| Outcome::Dead {
+                reason: DeadReason::BadDestination,
+                error: super::truncate(format!("cannot build the request: {e}"), MAX_ERROR_CHARS),
+            })
+    }
+
+    /// One outcome per row, in order.
+    pub async fn deliver(
+        &self,
+        client: &HttpClient,
+        route: &Route,
+        rows: &[OutboxRow],
+        max_message_bytes: usize,
+    ) -> Vec<Outcome> {
+        let mut outcomes: Vec<Option<Outcome>> = vec![None; rows.len()];
+        let mut messages = Vec::with_capacity(rows.len());
+        let mut positions = Vec::with_capacity(rows.len());
+        for (i, row) in rows.iter().enumerate() {
+            match self.message(route, row) {
+                Ok(m) if m.body.len() > max_message_bytes => {
+                    outcomes[i] = Some(Outcome::Dead {
+                        reason: DeadReason::TooLarge,
+                        error: format!(
+                            "message of {} bytes is over the {max_message_bytes}-byte limit",
+                            m.body.len()
+                        ),
+                    })
+                }
+                Ok(m) => {
+                    messages.push(m);
+                    positions.push(i);
+                }
+                Err(outcome) => outcomes[i] = Some(outcome),
+            }
+        }
+        let sent = match self.mode {
+            PublishMode::Batch => {
+                let mut all = Vec::with_capacity(messages.len());
+                for chunk in messages.chunks(self.batch_size) {
+                    all.extend(self.send_batch(client, chunk).await);
+                }
+                all
+            }
+            PublishMode::Single => self.send_each(client, &messages).await,
+        };
+        for (pos, outcome) in positions.into_iter().zip(sent) {
+            outcomes[pos] = Some(outcome);
+        }
+        outcomes
+            .into_iter()
+            .map(|o| o.expect("every row has an outcome"))
+            .collect()
+    }
+
+    async fn send_each(&self, client: &HttpClient, messages: &[Message]) -> Vec<Outcome> {
+        join_all(messages.iter().map(|m| async move {
+            let request = match self.publish_request(m) {
+                Ok(r) => r,
+                Err(outcome) => return outcome,
+            };
+            let result = client.send(request).await;
+            metrics::record_request("qstash_publish", &result);
+            match result {
+                Ok(response) => classify_qstash(&response),
+                Err(e) => transport_outcome(&e),
+            }
+        }))
+        .await
+    }
+
+    async fn send_batch(&self, client: &HttpClient, messages: &[Message]) -> Vec<Outcome> {
+        let result = client.send(self.batch_request(messages)).await;
+        metrics::record_request("qstash_batch", &result);
+        let response = match result {
+            Ok(r) => r,
+            Err(e) => return vec![transport_outcome(&e); messages.len()],
+        };
+        match classify_qstash(&response) {
+            Outcome::Published => batch_outcomes(&response.body, messages.len()),
+            dead @ Outcome::Dead { .. } if messages.len() == 1 => vec![dead],
+            // One bad message must not dead-letter the others with it: send
+            // them one by one so each gets its own answer.
+            Outcome::Dead { .. } => self.send_each(client, messages).await,
+            retry => vec![retry; messages.len()],
+        }
+    }
+}
+
+/// QStash's own 401 and 403 mean our token is wrong or lacks rights: no fault
+/// of the event, so it is retried (and alerts fire on the retries) rather than
+/// the whole backlog being dead-lettered by a configuration slip.
+fn classify_qstash(response: &super::Response) -> Outcome {
+    match classify(response) {
+        Outcome::Dead { error, .. } if matches!(response.status.as_u16(), 401 | 403) => {
+            Outcome::Retry {
+                after: None,
+                error: format!("QStash refused the token: {error}"),
+            }
+        }
+        other => other,
+    }
+}
+
+/// Flow control: ordered routes key by partition (parallelism 1 unless set);
+/// an unordered route with limits shares one key per route.
+fn flow_control(route: &Route, row: &OutboxRow) -> Option<(String, String)> {
+    let c = &route.config;
+    let key = if route.ordered() {
+        row.partition_key.clone()
+    } else if c.parallelism.is_some() || c.rate.is_some() {
+        format!("outbox-relay:{}", route.name)
+    } else {
+        return None;
+    };
+    let mut parts = Vec::with_capacity(3);
+    let parallelism = c
+        .parallelism
+        .or(if route.ordered() { Some(1) } else { None });
+    if let Some(p) = parallelism {
+        parts.push(format!("parallelism={p}"));
+    }
+    if let Some(rate) = c.rate {
+        parts.push(format!("rate={rate}"));
+    }
+    if let Some(period) = c.period {
+        parts.push(format!("period={}s", period.as_secs()));
+    }
+    Some((key, parts.join(", ")))
+}
+
+/// Reads a 2xx batch answer: a JSON array in request order, each element a
+/// publish response (`messageId`), a URL-group array of them, or an
+/// `{"error": …}` that fails that message alone. An answer we cannot read was
+/// still a 2xx: QStash took the messages, so they count as published.
+pub fn batch_outcomes(body: &[u8], expected: usize) -> Vec<Outcome> {
+    let Ok(serde_json::Value::Array(items)) = serde_json::from_slice::<serde_json::Value>(body)
+    else {
+        return vec![Outcome::Published; expected];
+    };
+    (0..expected)
+        .map(|i| match items.get(i) {
+            Some(serde_json::Value::Object(obj)) => match obj.get("error") {
+                Some(err) => Outcome::Retry {
+                    after: None,
+                    error: super::truncate(
+                        format!(
+                            "qstash batch element: {}",
+                            err.as_str()
+                                .map(str::to_owned)
+                                .unwrap_or_else(|| err.to_string())
+                        ),
+                        MAX_ERROR_CHARS,
+                    ),
+                },
+                None => Outcome::Published,
+            },
+            _ => Outcome::Published,
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_answers_fail_only_their_element() {
+        let body = br#"[{"messageId":"msg_1"},{"error":"bad destination"},[{"messageId":"msg_3","url":"u"}]]"#;
+        let outcomes = batch_outcomes(body, 3);
+        assert_eq!(outcomes[0], Outcome::Published);
+        assert!(
+            matches!(&outcomes[1], Outcome::Retry { error, .. } if error.contains("bad destination"))
+        );
+        assert_eq!(outcomes[2], Outcome::Published);
+        assert_eq!(batch_outcomes(b"not json", 2), vec![Outcome::Published; 2]);
+    }
+}

@@ -1,0 +1,579 @@
+//! The relay engine against a real PostgreSQL and a real HTTP sink on loopback.
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::sink::{Reply, TestSink};
+use common::{config, count, insert_events, pending, wait_until, QSTASH_ROUTE, TOKEN};
+use outbox_relay::actors::Hooks;
+use outbox_relay::testkit::TestDb;
+use outbox_relay::{enqueue, NewEvent, Relay};
+use serde_json::json;
+use uuid::Uuid;
+
+const DRAIN_LIMIT: Duration = Duration::from_secs(120);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drains_ten_thousand_events_across_a_hundred_keys() {
+    let db = TestDb::new().await.unwrap();
+    let sink = TestSink::start(TOKEN).await;
+    insert_events(&db, 10_000, 100).await;
+    let relay = Relay::start(config(&db, &sink.url(), QSTASH_ROUTE))
+        .await
+        .unwrap();
+    assert!(
+        wait_until(DRAIN_LIMIT, || async { pending(&db).await == 0 }).await,
+        "backlog did not drain"
+    );
+    let report = relay.shutdown().await;
+    assert_eq!(report.counters.published, 10_000);
+    let keys: HashSet<String> = sink.accepted().into_iter().map(|r| r.dedup_id).collect();
+    let expected: HashSet<String> = (0..10_000).map(|i| format!("evt-{i}")).collect();
+    assert_eq!(keys, expected, "the sink must see every idempotency key");
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL AND locked_until IS NULL AND last_error IS NULL").await,
+        10_000
+    );
+    // The throughput path: batches, not one request per event.
+    let requests = sink.requests();
+    assert!(
+        requests.iter().all(|r| r == "POST /v2/batch"),
+        "{:?}",
+        &requests[..3]
+    );
+    assert!(
+        requests.len() <= 10_000 / 10,
+        "{} requests for 10,000 events",
+        requests.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qstash_headers_are_those_the_official_sdk_sends() {
+    let db = TestDb::new().await.unwrap();
+    let sink = TestSink::start(TOKEN).await;
+    let routes = r#"
+        [[routes]]
+        event_type = "order.*"
+        destination = "https://example.com/api/x?a=1"
+        retries = 2
+        delay = "10s"
+        method = "PUT"
+        failure_callback = "https://cb.example.com/fail"
+        ordering = "partition_key"
+    "#;
+    let mut cfg = config(&db, &sink.url(), routes);
+    cfg.qstash.mode = outbox_relay::config::PublishMode::Single;
+    let mut client = db.client().await.unwrap();
+    let tx = client.transaction().await.unwrap();
+    let created = enqueue(
+        &tx,
+        &NewEvent::new(
+            Uuid::nil(),
+            "order",
+            "o1",
+            "order.placed",
+            json!({"hello": "world"}),
+            "d1",
+        )
+        .with_header("X-Custom", "v")
+        .with_header("Authorization", "Bearer dest")
+        .with_header("Upstash-Foo", "bar")
+        .with_partition_key("k1"),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let outbox_relay::Enqueued::New { id } = created else {
+        panic!()
+    };
+    let relay = Relay::start(cfg).await.unwrap();
+    assert!(wait_until(DRAIN_LIMIT, || async { pending(&db).await == 0 }).await);
+    relay.shutdown().await;
+    let got = sink.accepted();
+    assert_eq!(got.len(), 1);
+    let msg = &got[0];
+    assert_eq!(msg.destination, "https://example.com/api/x");
+    assert_eq!(
+        sink.requests(),
+        vec!["POST /v2/publish/https://example.com/api/x".to_owned()]
+    );
+    // qstash.md §1.6, for the same options (no telemetry, no callback/label/
+    // redact/timeout/not-before, which routes do not set; flow control as an
+    // ordered route asks for it).
+    let id = id.to_string();
+    let mut expected: BTreeMap<&str, &str> = BTreeMap::from([
+        ("authorization", "Bearer test-token"),
+        ("content-type", "application/json"),
+        ("upstash-deduplication-id", "d1"),
+        ("upstash-delay", "10s"),
+        ("upstash-failure-callback", "https://cb.example.com/fail"),
+        ("upstash-flow-control-key", "k1"),
+        ("upstash-flow-control-value", "parallelism=1"),
+        ("upstash-foo", "bar"),
+        ("upstash-forward-authorization", "Bearer dest"),
+        ("upstash-forward-x-custom", "v"),
+        ("upstash-method", "PUT"),
+        ("upstash-retries", "2"),
+    ]);
+    expected.insert("upstash-forward-x-outbox-id", &id);
+    expected.insert("upstash-forward-x-event-id", &id);
+    let upstash: BTreeMap<&str, &str> = msg
+        .headers
+        .iter()
+        .filter(|(k, _)| k.starts_with("upstash-") || *k == "authorization" || *k == "content-type")
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    assert_eq!(upstash, expected);
+    let body: serde_json::Value = serde_json::from_str(&msg.body).unwrap();
+    assert_eq!(body["id"], id);
+    assert_eq!(body["type"], "order.placed");
+    assert_eq!(body["aggregateType"], "order");
+    assert_eq!(body["aggregateId"], "o1");
+    assert_eq!(body["tenantId"], Uuid::nil().to_string());
+    assert_eq!(body["partitionKey"], "k1");
+    assert_eq!(body["payload"], json!({"hello": "world"}));
+    assert!(body["createdAt"].as_str().unwrap().ends_with('Z'));
+    assert!(!msg.body.contains(": "), "compact JSON: {}", msg.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_after_503_honouring_retry_after() {
+    let db = TestDb::new().await.unwrap();
+    let sink = TestSink::start(TOKEN).await;
+    // Two failures per message, the second asking for 1 s.
+    sink.set_rule(|m| match m.attempt {
+        0 => Reply::Status(503, None),
+        1 => Reply::Status(503, Some("1".into())),
+        _ => Reply::Accept,
+    });
+    insert_events(&db, 20, 20).await;
+    let relay = Relay::start(config(&db, &sink.url(), QSTASH_ROUTE))
+        .await
+        .unwrap();
+    assert!(wait_until(DRAIN_LIMIT, || async { pending(&db).await == 0 }).await);
+    let report = relay.shutdown().await;
+    assert_eq!(report.counters.published, 20);
+    assert_eq!(report.counters.retried, 40);
+    let c = db.client().await.unwrap();
+    let rows = c
+        .query(
+            "SELECT attempt_count, published_at IS NOT NULL, last_error IS NULL FROM outbox",
+            &[],
+        )
+        .await
+        .unwrap();
+    for r in &rows {
+        assert_eq!(r.get::<_, i32>(0), 3, "two failures and a success");
+        assert!(r.get::<_, bool>(1));
+        assert!(r.get::<_, bool>(2), "a publish clears last_error");
+    }
+    // Retry-After: the third attempt came no sooner than 1 s after the second.
+    let received = sink.received();
+    for key in (0..20).map(|i| format!("evt-{i}")) {
+        let times: Vec<_> = received
+            .iter()
+            .filter(|r| r.dedup_id == key)
+            .map(|r| r.at)
+            .collect();
+        assert_eq!(times.len(), 3, "{key}");
+        let gap = times[2].duration_since(times[1]);
+        assert!(
+            gap >= Duration::from_millis(990),
+            "{key}: retried after {gap:?} despite Retry-After: 1"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backoff_sets_available_at_and_keeps_the_error() {
+    let db = TestDb::new().await.unwrap();
+    let sink = TestSink::start(TOKEN).await;
+    sink.set_rule(|_| Reply::Status(500, None));
+    insert_events(&db, 1, 1).await;
+    let mut cfg = config(&db, &sink.url(), QSTASH_ROUTE);
+    cfg.relay.backoff_base = Duration::from_secs(30);
+    cfg.relay.backoff_cap = Duration::from_secs(30);
+    let relay = Relay::start(cfg).await.unwrap();
+    assert!(
+        wait_until(DRAIN_LIMIT, || async {
+            count(
+                &db,
+                "SELECT count(*) FROM outbox WHERE last_error IS NOT NULL",
+            )
+            .await
+                == 1
+        })
+        .await
+    );
+    relay.shutdown().await;
+    let c = db.client().await.unwrap();
+    let row = c
+        .query_one(
+            "SELECT attempt_count, locked_until IS NULL, extract(epoch FROM available_at - now())::float8, last_error FROM outbox",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, i32>(0), 1);
+    assert!(
+        row.get::<_, bool>(1),
+        "the lease is given back with the retry"
+    );
+    let wait: f64 = row.get(2);
+    assert!(
+        (0.0..=30.0).contains(&wait),
+        "available_at in [now, now+30s], got +{wait}s"
+    );
+    assert!(row.get::<_, String>(3).contains("HTTP 500"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_400_dead_letters_at_once_and_alone() {
+    let db = TestDb::new().await.unwrap();
+    let sink = TestSink::start(TOKEN).await;
+    sink.set_rule(|m| {
+        if m.dedup_id == "evt-3" {
+            Reply::Status(400, None)
+        } else {
+            Reply::Accept
+        }
+    });
+    insert_events(&db, 10, 10).await;
+    let relay = Relay::start(config(&db, &sink.url(), QSTASH_ROUTE))
+        .await
+        .unwrap();
+    assert!(wait_until(DRAIN_LIMIT, || async { pending(&db).await == 0 }).await);
+    let report = relay.shutdown().await;
+    assert_eq!(report.counters.published, 9);
+    assert_eq!(report.counters.dead_lettered, 1);
+    assert_eq!(report.counters.retried, 0);
+    let c = db.client().await.unwrap();
+    let row = c
+        .query_one(
+            "SELECT attempt_count, last_error FROM outbox WHERE dead_lettered_at IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        row.get::<_, i32>(0),
+        1,
+        "dead-lettered on the first attempt"
+    );
+    let error: String = row.get(1);
+    assert!(
+        error.contains("HTTP 400") && error.contains("status 400 from the test sink"),
+        "{error}"
+    );
+    // The poison event took no innocent event of its batch with it.
+    let accepted: HashSet<String> = sink.accepted().into_iter().map(|r| r.dedup_id).collect();
+    assert_eq!(accepted.len(), 9);
+    assert!(!accepted.contains("evt-3"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exhausting_max_attempts_dead_letters() {
+    let db = TestDb::new().await.unwrap();
+    let sink = TestSink::start(TOKEN).await;
+    sink.set_rule(|_| Reply::Status(502, None));
+    insert_events(&db, 3, 3).await;
+    let relay = Relay::start(config(&db, &sink.url(), QSTASH_ROUTE))
+        .await
+        .unwrap();
+    assert!(wait_until(DRAIN_LIMIT, || async { pending(&db).await == 0 }).await);
+    let report = relay.shutdown().await;
+    assert_eq!(report.counters.dead_lettered, 3);
+    assert_eq!(report.counters.retried, 3 * 4);
+    let c = db.client().await.unwrap();
+    for r in c
+        .query("SELECT attempt_count, last_error FROM outbox", &[])
+        .await
+        .unwrap()
+    {
+        assert_eq!(r.get::<_, i32>(0), 5);
+        let e: String = r.get(1);
+        assert!(e.starts_with("attempt 5 of 5 failed: HTTP 502"), "{e}");
+    }
+    assert_eq!(sink.received().len(), 15);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_no_route_takes_is_dead_lettered_with_the_reason() {
+    let db = TestDb::new().await.unwrap();
+    let sink = TestSink::start(TOKEN).await;
+    let routes = r#"
+        [[routes]]
+        event_type = "user.*"
+        destination = "https://example.com/users"
+    "#;
+    insert_events(&db, 2, 2).await; // order.placed
+    let relay = Relay::start(config(&db, &sink.url(), routes))
+        .await
+        .unwrap();
+    assert!(wait_until(DRAIN_LIMIT, || async { pending(&db).await == 0 }).await);
+    relay.shutdown().await;
+    let c = db.client().await.unwrap();
+    for r in c
+        .query(
+            "SELECT last_error FROM outbox WHERE dead_lettered_at IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+    {
+        assert_eq!(
+            r.get::<_, String>(0),
+            "no route matches event type `order.placed`"
+        );
+    }
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM outbox WHERE dead_lettered_at IS NOT NULL"
+        )
+        .await,
+        2
+    );
+    assert!(sink.received().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ordered_keys_hold_back_behind_a_failing_event_and_others_flow() {
+    let db = TestDb::new().await.unwrap();
+    let sink = TestSink::start(TOKEN).await;
+    let routes = r#"
+        [[routes]]
+        event_type = "order.*"
+        destination = "https://example.com/orders"
+        ordering = "partition_key"
+    "#;
+    // Key "slow" has events 0..5; its first fails twice. Keys k0..k9 have 5 each.
+    let mut client = db.client().await.unwrap();
+    let tx = client.transaction().await.unwrap();
+    let mut events = Vec::new();
+    for round in 0..5 {
+        events.push(common::event(1000 + round, "order:slow"));
+        for k in 0..10 {
+            events.push(common::event(round * 10 + k, &format!("order:k{k}")));
+        }
+    }
+    outbox_relay::enqueue_many(&tx, &events).await.unwrap();
+    tx.commit().await.unwrap();
+    sink.set_rule(|m| {
+        if m.dedup_id == "evt-1000" && m.attempt < 2 {
+            // Retry-After makes the failing key slow for sure (full jitter alone
+            // may pick a tiny delay).
+            Reply::Status(503, Some("1".into()))
+        } else {
+            Reply::Accept
+        }
+    });
+    let mut cfg = config(&db, &sink.url(), routes);
+    cfg.relay.backoff_base = Duration::from_secs(1);
+    cfg.relay.backoff_cap = Duration::from_secs(1);
+    // Only the NOTIFY and the marker's wake-ups move the other keys along
+    // quickly; the poll brings the failing key's retries back.
+    cfg.relay.poll_interval = Duration::from_secs(1);
+    // One answer per message, so a failure is that message's alone.
+    cfg.qstash.mode = outbox_relay::config::PublishMode::Single;
+    let relay = Relay::start(cfg).await.unwrap();
+    assert!(wait_until(DRAIN_LIMIT, || async { pending(&db).await == 0 }).await);
+    relay.shutdown().await;
+    let received = sink.received();
+    let accepted: Vec<_> = received.iter().filter(|r| r.accepted).collect();
+    assert_eq!(accepted.len(), 55);
+    // Per key: first receipts in id order, and never two of a key in flight.
+    let mut by_key: HashMap<String, Vec<i64>> = HashMap::new();
+    for r in &accepted {
+        by_key
+            .entry(r.partition_key())
+            .or_default()
+            .push(r.outbox_id);
+    }
+    for (key, ids) in &by_key {
+        let mut sorted = ids.clone();
+        sorted.sort();
+        assert_eq!(ids, &sorted, "key {key} delivered out of order");
+    }
+    // Other keys were not held up: all of them finished before "slow" got its
+    // first event through.
+    let slow_first_ok = accepted
+        .iter()
+        .position(|r| r.dedup_id == "evt-1000")
+        .unwrap();
+    let others_done = accepted
+        .iter()
+        .rposition(|r| r.partition_key() != "order:slow")
+        .unwrap();
+
+    assert!(
+        others_done < slow_first_ok,
+        "other keys waited for the failing key"
+    );
+    // The held-back events of "slow" were never sent before the head succeeded.
+    let first_slow_attempts: Vec<&str> = received
+        .iter()
+        .filter(|r| r.partition_key() == "order:slow")
+        .map(|r| r.dedup_id.as_str())
+        .take(3)
+        .collect();
+    assert_eq!(first_slow_attempts, vec!["evt-1000"; 3]);
+    let flow: HashSet<_> = accepted
+        .iter()
+        .map(|r| {
+            (
+                r.headers["upstash-flow-control-key"].clone(),
+                r.headers["upstash-flow-control-value"].clone(),
+            )
+        })
+        .filter(|(k, _)| k == "order:slow")
+        .collect();
+    assert_eq!(
+        flow,
+        HashSet::from([("order:slow".to_owned(), "parallelism=1".to_owned())])
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_publisher_is_restarted_and_its_rows_come_back() {
+    let db = TestDb::new().await.unwrap();
+    let sink = TestSink::start(TOKEN).await;
+    insert_events(&db, 500, 50).await;
+    let c = db.client().await.unwrap();
+    let victim: i64 = c
+        .query_one(
+            "SELECT id FROM outbox WHERE idempotency_key = 'evt-77'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    // Panic on the victim's first attempt only.
+    let hooks = Hooks {
+        publisher_panics_on: Some(Arc::new(move |row| row.id == victim && row.attempt == 1)),
+    };
+    let relay = Relay::start_with_hooks(config(&db, &sink.url(), QSTASH_ROUTE), hooks)
+        .await
+        .unwrap();
+    assert!(wait_until(DRAIN_LIMIT, || async { pending(&db).await == 0 }).await);
+    let restarts = relay.restarts().await;
+    let report = relay.shutdown().await;
+    assert_eq!(restarts.get("publisher"), Some(&1), "{restarts:?}");
+    assert_eq!(report.counters.published, 500);
+    let keys: HashSet<String> = sink.accepted().into_iter().map(|r| r.dedup_id).collect();
+    assert_eq!(keys.len(), 500, "nothing lost");
+    let attempts: i32 = c
+        .query_one("SELECT attempt_count FROM outbox WHERE id = $1", &[&victim])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(attempts, 2, "claimed again after its lease expired");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovers_when_its_database_connections_are_terminated() {
+    let db = TestDb::new().await.unwrap();
+    let sink = TestSink::start(TOKEN).await;
+    let relay = Relay::start(config(&db, &sink.url(), QSTASH_ROUTE))
+        .await
+        .unwrap();
+    insert_events(&db, 200, 20).await;
+    assert!(wait_until(DRAIN_LIMIT, || async { pending(&db).await == 0 }).await);
+    let admin = db.client().await.unwrap();
+    let killed: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE datname = current_database() AND pid <> pg_backend_pid()) t",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        killed >= 2,
+        "expected the relay's connections (claimers, marker, listener), got {killed}"
+    );
+    let admin = db.client().await.unwrap();
+    // Inserted after the kill: delivered only if claimers and marker reconnected.
+    let mut client = db.client().await.unwrap();
+    let tx = client.transaction().await.unwrap();
+    let events: Vec<_> = (5000..5200)
+        .map(|i| common::event(i, &format!("order:k{}", i % 20)))
+        .collect();
+    outbox_relay::enqueue_many(&tx, &events).await.unwrap();
+    tx.commit().await.unwrap();
+    assert!(
+        wait_until(DRAIN_LIMIT, || async { pending(&db).await == 0 }).await,
+        "the relay did not recover"
+    );
+    // And the listener is back: a NOTIFY arrives on a fresh LISTEN connection.
+    assert!(
+        wait_until(Duration::from_secs(20), || async {
+            admin
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'outbox-relay listener'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+                == 1
+        })
+        .await
+    );
+    let report = relay.shutdown().await;
+    assert_eq!(report.counters.published, 400);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_routes_post_signed_events_and_retry_themselves() {
+    let db = TestDb::new().await.unwrap();
+    let sink = TestSink::start(TOKEN).await;
+    let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+    let routes = format!(
+        r#"
+        [[routes]]
+        event_type = "*"
+        sink = "webhook"
+        destination = "{}/hook/{{aggregate_type}}/{{aggregate_id}}"
+        signing_secret = "{secret}"
+        "#,
+        sink.url()
+    );
+    sink.set_rule(|m| {
+        if m.attempt == 0 {
+            Reply::Status(503, None)
+        } else {
+            Reply::Accept
+        }
+    });
+    insert_events(&db, 5, 5).await;
+    let relay = Relay::start(config(&db, &sink.url(), &routes))
+        .await
+        .unwrap();
+    assert!(wait_until(DRAIN_LIMIT, || async { pending(&db).await == 0 }).await);
+    let report = relay.shutdown().await;
+    assert_eq!(report.counters.published, 5);
+    assert_eq!(report.counters.retried, 5);
+    let verifier = standardwebhooks::Webhook::new(secret).unwrap();
+    for r in sink.accepted() {
+        assert!(
+            r.destination.starts_with("/hook/order/k"),
+            "{}",
+            r.destination
+        );
+        let mut headers = http::HeaderMap::new();
+        for name in ["webhook-id", "webhook-timestamp", "webhook-signature"] {
+            headers.insert(name, r.headers[name].parse().unwrap());
+        }
+        verifier
+            .verify(r.body.as_bytes(), &headers)
+            .expect("the official Standard Webhooks library verifies our signature");
+        assert_eq!(r.headers["webhook-id"], r.dedup_id);
+        assert!(r.headers.contains_key("x-outbox-id"));
+    }
+}

@@ -13,6 +13,7 @@
 //! Consumers use [`consumer`] to verify signatures and handle each event once.
 
 pub mod config;
+pub mod consumer;
 pub mod daemon;
 pub mod db;
 pub mod producer;

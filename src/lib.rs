@@ -18,6 +18,7 @@ pub mod daemon;
 pub mod db;
 pub mod producer;
 pub mod routes;
+pub mod server;
 pub mod sink;
 pub mod testkit;
 

@@ -12,6 +12,7 @@
 //!
 //! Consumers use [`consumer`] to verify signatures and handle each event once.
 
+pub mod cli;
 pub mod config;
 pub mod consumer;
 pub mod daemon;

@@ -274,6 +274,10 @@ fn decode_segment<T: for<'de> Deserialize<'de>>(
 }
 
 fn mac_matches(key: &[u8], signing_input: &str, sig: &[u8]) -> bool {
+    // An unset key must not turn into "anyone can sign with the empty key".
+    if key.is_empty() {
+        return false;
+    }
     let Ok(mut mac) = Hmac::<Sha256>::new_from_slice(key) else {
         return false;
     };
@@ -378,6 +382,30 @@ mod tests {
             Err(SignatureError::BodyMismatch { .. })
         ));
         assert!(check_body("47DEQpj8HBSa-_TImW-5JCeuQeRkm5NMpJWZG3hSuFU=", b"").is_ok());
+    }
+
+    #[test]
+    fn an_empty_key_verifies_nothing() {
+        let header = URL_SAFE_NO_PAD.encode(br#"{"alg":"HS256"}"#);
+        let claims = URL_SAFE_NO_PAD.encode(
+            format!(
+                r#"{{"iss":"Upstash","exp":{},"body":"{}"}}"#,
+                i64::MAX,
+                URL_SAFE.encode(Sha256::digest(b""))
+            )
+            .as_bytes(),
+        );
+        let input = format!("{header}.{claims}");
+        let mut mac = Hmac::<Sha256>::new_from_slice(b"").unwrap();
+        mac.update(input.as_bytes());
+        let token = format!(
+            "{input}.{}",
+            URL_SAFE_NO_PAD.encode(mac.finalize().into_bytes())
+        );
+        assert_eq!(
+            Verifier::new("", Some("")).verify(Some(&token), b"", None),
+            Err(SignatureError::BadSignature)
+        );
     }
 
     #[test]

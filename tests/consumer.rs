@@ -1018,6 +1018,17 @@ async fn row_state(pool: &outbox_relay::db::Pool, id: i64) -> (bool, Option<Stri
     (row.get(0), row.get(1), row.get(2))
 }
 
+/// Posts a failure report signed with `key`.
+async fn report_to(server: &Server, key: &str, report: &[u8]) -> Reply {
+    post(
+        server.addr,
+        "/qstash/failure",
+        &[("upstash-signature", sign_now(key, report))],
+        report,
+    )
+    .await
+}
+
 async fn callback_server() -> (TestDb, outbox_relay::db::Pool, Server) {
     let (db, pool) = setup_db().await;
     let server = serve(failure_callback_router(
@@ -1037,13 +1048,7 @@ async fn failure_callback_dead_letters_the_published_row_with_the_reason() {
         json!({"Content-Type": ["application/json"], "x-OUTBOX-id": [id.to_string()]}),
         BODY,
     );
-    let reply = post(
-        server.addr,
-        "/qstash/failure",
-        &[("upstash-signature", sign_now(CURRENT, &report))],
-        &report,
-    )
-    .await;
+    let reply = report_to(&server, CURRENT, &report).await;
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(
         row_state(&pool, id).await,
@@ -1063,13 +1068,7 @@ async fn failure_callback_dead_letters_the_published_row_with_the_reason() {
         json!({"X-Event-Id": other.to_string()}),
         format!(r#"{{"id": {other}}}"#).as_bytes(),
     );
-    let reply = post(
-        server.addr,
-        "/qstash/failure",
-        &[("upstash-signature", sign_now(NEXT, &report))],
-        &report,
-    )
-    .await;
+    let reply = report_to(&server, NEXT, &report).await;
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert!(row_state(&pool, other).await.0);
     let third = published_row(&pool, "k-cb-3").await;
@@ -1077,13 +1076,7 @@ async fn failure_callback_dead_letters_the_published_row_with_the_reason() {
         json!({}),
         format!(r#"{{"id":"{third}","type":"t"}}"#).as_bytes(),
     );
-    let reply = post(
-        server.addr,
-        "/qstash/failure",
-        &[("upstash-signature", sign_now(CURRENT, &report))],
-        &report,
-    )
-    .await;
+    let reply = report_to(&server, CURRENT, &report).await;
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert!(row_state(&pool, third).await.0);
 }
@@ -1109,13 +1102,7 @@ async fn failure_callback_unknown_id_is_404_and_garbage_is_400() {
     let (_db, pool, server) = callback_server().await;
     let id = published_row(&pool, "k-cb-5").await;
     let report = failure_report(json!({"X-Outbox-Id": ["987654"]}), BODY);
-    let reply = post(
-        server.addr,
-        "/qstash/failure",
-        &[("upstash-signature", sign_now(CURRENT, &report))],
-        &report,
-    )
-    .await;
+    let reply = report_to(&server, CURRENT, &report).await;
     assert_eq!(reply.status, 404, "{}", reply.body);
     let mut bad_reports: Vec<Vec<u8>> = vec![
         b"not json".to_vec(),
@@ -1130,13 +1117,7 @@ async fn failure_callback_unknown_id_is_404_and_garbage_is_400() {
         bad_reports.push((0..rng.random_range(0..64)).map(|_| rng.random()).collect());
     }
     for report in bad_reports {
-        let reply = post(
-            server.addr,
-            "/qstash/failure",
-            &[("upstash-signature", sign_now(CURRENT, &report))],
-            &report,
-        )
-        .await;
+        let reply = report_to(&server, CURRENT, &report).await;
         assert_eq!(
             reply.status,
             400,

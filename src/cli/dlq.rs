@@ -490,8 +490,7 @@ pub async fn execute(
         } => {
             let rows = list(&*client, event_type.as_deref(), since, limit).await?;
             if json {
-                serde_json::to_writer_pretty(&mut *out, &rows)?;
-                writeln!(out)?;
+                write_json(out, &rows)?;
             } else if rows.is_empty() {
                 writeln!(out, "no dead-lettered rows")?;
             } else {
@@ -530,8 +529,7 @@ pub async fn execute(
             let columns = show(&*client, id).await?;
             if json {
                 let map: serde_json::Map<String, serde_json::Value> = columns.into_iter().collect();
-                serde_json::to_writer_pretty(&mut *out, &map)?;
-                writeln!(out)?;
+                write_json(out, &map)?;
             } else {
                 let width = columns.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
                 for (name, value) in columns {
@@ -554,11 +552,10 @@ pub async fn execute(
         DlqCommand::Replay { selector, json } => {
             let replayed = replay(client, &selector).await?;
             if json {
-                serde_json::to_writer_pretty(
-                    &mut *out,
+                write_json(
+                    out,
                     &serde_json::json!({"replayed": replayed.len(), "rows": replayed}),
                 )?;
-                writeln!(out)?;
             } else {
                 writeln!(out, "replayed {} dead-lettered rows", replayed.len())?;
             }
@@ -578,17 +575,22 @@ pub async fn execute(
             }
             let purged = purge(client, &selector).await?;
             if json {
-                serde_json::to_writer_pretty(
-                    &mut *out,
+                write_json(
+                    out,
                     &serde_json::json!({"purged": purged.len(), "ids": purged}),
                 )?;
-                writeln!(out)?;
             } else {
                 writeln!(out, "purged {} dead-lettered rows", purged.len())?;
             }
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn write_json(out: &mut dyn Write, value: &impl Serialize) -> anyhow::Result<()> {
+    serde_json::to_writer_pretty(&mut *out, value)?;
+    writeln!(out)?;
+    Ok(())
 }
 
 /// At most `max` characters on one line.

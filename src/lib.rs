@@ -14,7 +14,9 @@
 
 pub mod actors;
 pub mod backoff;
+pub mod cli;
 pub mod config;
+pub mod consumer;
 pub mod daemon;
 pub mod db;
 pub mod metrics;

@@ -64,6 +64,13 @@ enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// Dead-lettered events: list, show, replay, purge.
+    Dlq {
+        #[command(subcommand)]
+        cmd: outbox_relay::cli::dlq::DlqCommand,
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
 }
 
 fn init_tracing(format: LogFormat) {
@@ -154,6 +161,10 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             let config = Config::load(config.as_deref())?;
             println!("{}", serde_json::to_string_pretty(&config.redacted())?);
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Dlq { cmd, config } => {
+            let config = Config::load(config.as_deref())?;
+            outbox_relay::cli::dlq::run(cmd, &config).await
         }
     }
 }

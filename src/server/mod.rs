@@ -2,4 +2,5 @@
 //! listen on a private address; QStash's failure callback gets a listener of
 //! its own, since it must face the internet.
 
+pub mod callback;
 pub mod ops;

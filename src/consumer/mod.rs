@@ -1,0 +1,11 @@
+//! The consuming side: verify that a delivery came from QStash (or from our
+//! webhook sink), then handle each message once.
+
+pub mod example;
+pub mod idempotent;
+pub mod qstash;
+pub mod webhooks;
+
+pub use idempotent::{consume_once, prune_processed, ConsumeError, Consumed};
+pub use qstash::{SignatureError, Verifier};
+pub use webhooks::{WebhookError, WebhookVerifier};

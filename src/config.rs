@@ -429,6 +429,22 @@ impl Config {
             ));
         }
         parse_http_url(&self.qstash.url).map_err(|e| ConfigError::invalid("qstash.url", e))?;
+        if self.server.callback_bind.is_some() && self.qstash.current_signing_key.is_empty() {
+            return Err(ConfigError::invalid(
+                "qstash.current_signing_key",
+                "is required when server.callback_bind is set, to verify QStash's callbacks (set QSTASH_CURRENT_SIGNING_KEY)",
+            ));
+        }
+        // Claimers and the marker each hold a connection; the gauges need one more.
+        if self.database.pool_size < self.relay.shards + 2 {
+            return Err(ConfigError::invalid(
+                "database.pool_size",
+                format!(
+                    "must be at least relay.shards + 2 ({}): each claimer and the marker keep a connection",
+                    self.relay.shards + 2
+                ),
+            ));
+        }
         for (i, route) in self.routes.iter().enumerate() {
             route.validate(&format!("routes[{i}]"))?;
             if route.sink == SinkKind::Qstash && self.qstash.token.is_empty() {

@@ -4,7 +4,9 @@
 use std::sync::{Arc, Mutex};
 
 use crate::config::Config;
+use crate::consumer::qstash::Verifier;
 use crate::relay::Relay;
+use crate::server::callback::failure_callback_router;
 use crate::server::ops::{self, OpsState, Readiness};
 
 /// Runs until SIGTERM or SIGINT (exit 0), or until the actor tree gives up.
@@ -39,6 +41,21 @@ pub async fn run_until_signal(config: Config) -> anyhow::Result<()> {
         .await
         .map_err(|e| anyhow::anyhow!("server.metrics_bind {addr}: {e}"))?;
         tracing::info!(%local, "serving /metrics, /healthz, /readyz");
+    }
+    if let Some(addr) = config.server.callback_bind {
+        let verifier = Verifier::new(
+            &config.qstash.current_signing_key,
+            Some(config.qstash.next_signing_key.as_str()).filter(|k| !k.is_empty()),
+        )
+        .with_tolerance(config.server.signature_tolerance);
+        let router = failure_callback_router(relay.pool().clone(), verifier);
+        let mut rx = stop_rx.clone();
+        let (local, _task) = ops::serve(addr, router, async move {
+            let _ = rx.changed().await;
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("server.callback_bind {addr}: {e}"))?;
+        tracing::info!(%local, "serving POST /qstash/failure");
     }
     tracing::info!("outbox-relay running");
 

@@ -577,3 +577,56 @@ async fn webhook_routes_post_signed_events_and_retry_themselves() {
         assert!(r.headers.contains_key("x-outbox-id"));
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayed_dead_letters_are_published_again_with_new_dedup_ids() {
+    use outbox_relay::cli::dlq::{replay, Selector};
+    let db = TestDb::new().await.unwrap();
+    let sink = TestSink::start(TOKEN).await;
+    // The destination rejects everything at first.
+    sink.set_rule(|_| Reply::Status(400, None));
+    insert_events(&db, 5, 5).await;
+    let relay = Relay::start(config(&db, &sink.url(), QSTASH_ROUTE))
+        .await
+        .unwrap();
+    assert!(wait_until(DRAIN_LIMIT, || async { pending(&db).await == 0 }).await);
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM outbox WHERE dead_lettered_at IS NOT NULL"
+        )
+        .await,
+        5
+    );
+    // Fixed now; the operator replays every dead letter while the relay runs.
+    sink.set_rule(|_| Reply::Accept);
+    let mut client = db.client().await.unwrap();
+    let replayed = replay(
+        &mut client,
+        &Selector {
+            all: true,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(replayed.len(), 5);
+    assert!(
+        wait_until(DRAIN_LIMIT, || async {
+            count(
+                &db,
+                "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL",
+            )
+            .await
+                == 5
+        })
+        .await
+    );
+    relay.shutdown().await;
+    let accepted: HashSet<String> = sink.accepted().into_iter().map(|r| r.dedup_id).collect();
+    let expected: HashSet<String> = (0..5).map(|i| format!("evt-{i}:replay:1")).collect();
+    assert_eq!(
+        accepted, expected,
+        "replays carry a new, derived deduplication id"
+    );
+}

@@ -1,0 +1,2 @@
+//! Load-test harness for outbox-relay.
+pub mod sink;

@@ -1,2 +1,3 @@
 //! Load-test harness for outbox-relay.
+pub mod producer;
 pub mod sink;

@@ -1,4 +1,6 @@
 //! Load-test harness for outbox-relay.
+pub mod procstat;
 pub mod producer;
+pub mod report;
 pub mod sink;
 pub mod verify;

@@ -2,5 +2,6 @@
 pub mod procstat;
 pub mod producer;
 pub mod report;
+pub mod scenario;
 pub mod sink;
 pub mod verify;

@@ -73,6 +73,13 @@ pub struct SecondPoint {
     pub p99_us: Option<u64>,
 }
 
+/// What the chaos loop did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChaosStats {
+    pub kills: u64,
+    pub backends_terminated: u64,
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct DbStats {
     /// `pg_stat_user_tables.n_dead_tup` of `outbox` at the end.
@@ -99,6 +106,8 @@ pub struct Report {
     pub db: DbStats,
     pub produced: ProduceStats,
     pub sink: SinkStats,
+    #[serde(default)]
+    pub chaos: Option<ChaosStats>,
     pub passed: bool,
     pub failures: Vec<String>,
     pub verification: Verification,
@@ -198,6 +207,7 @@ impl Report {
             db,
             produced: input.produced,
             sink: input.sink,
+            chaos: None,
             passed: failures.is_empty(),
             failures,
             verification: input.verification,

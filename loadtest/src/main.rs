@@ -1,1 +1,303 @@
-fn main() {}
+//! The `loadtest` command: thin; each subcommand calls into the library.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use loadtest::producer::{self, EventMix, LoadSpec, PreloadSpec, Skew};
+use loadtest::runner::{run_scenario, RunOptions};
+use loadtest::scenario::Scenario;
+use loadtest::sink::{DeliveryConfig, FaultConfig, Sink, SinkConfig, DEV_TOKEN};
+
+#[derive(Parser)]
+#[command(
+    name = "loadtest",
+    about = "Load-test harness for outbox-relay: QStash-compatible sink, producers, scenarios"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the QStash-compatible sink until Ctrl-C, then print its stats.
+    Sink(SinkArgs),
+    /// Insert events through the producer API at a rate (or flat out).
+    Produce {
+        #[arg(long, env = "DATABASE_URL")]
+        database_url: String,
+        /// Events per second; flat out when absent.
+        #[arg(long)]
+        rate: Option<f64>,
+        #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+        duration: Duration,
+        #[arg(long)]
+        max_events: Option<u64>,
+        #[arg(long, default_value_t = 4)]
+        connections: u32,
+        #[arg(long, default_value_t = 10)]
+        events_per_tx: u32,
+        #[command(flatten)]
+        mix: MixArgs,
+    },
+    /// Write a backlog with binary COPY.
+    Preload {
+        #[arg(long, env = "DATABASE_URL")]
+        database_url: String,
+        #[arg(long)]
+        events: u64,
+        #[arg(long, default_value_t = 2)]
+        connections: u32,
+        #[command(flatten)]
+        mix: MixArgs,
+    },
+    /// Run a scenario file end to end (needs the relay binary).
+    Run {
+        scenario: PathBuf,
+        /// Server to create the run's database on; a throwaway cluster when absent.
+        #[arg(long, env = "DATABASE_URL")]
+        database_url: Option<String>,
+        /// The relay binary; default: `outbox-relay` next to this binary.
+        #[arg(long)]
+        relay_bin: Option<PathBuf>,
+        /// Where relay.toml, relay.log, report.json and report.svg go.
+        #[arg(long, default_value = "target/loadtest")]
+        out: PathBuf,
+        #[arg(long)]
+        keep_database: bool,
+        #[arg(long)]
+        no_progress: bool,
+    },
+}
+
+#[derive(Args)]
+struct MixArgs {
+    #[arg(long, default_value_t = 10)]
+    tenants: u32,
+    #[arg(long, default_value_t = 1000)]
+    partition_keys: u32,
+    /// Zipf exponent for key skew; uniform when absent.
+    #[arg(long)]
+    zipf: Option<f64>,
+    #[arg(long, default_value_t = 0.0)]
+    poison_fraction: f64,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+impl MixArgs {
+    fn mix(&self) -> EventMix {
+        EventMix {
+            tenants: self.tenants,
+            partition_keys: self.partition_keys,
+            skew: self.zipf.map_or(Skew::Uniform, Skew::Zipf),
+            poison_fraction: self.poison_fraction,
+            seed: self.seed,
+        }
+    }
+}
+
+#[derive(Args)]
+struct SinkArgs {
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    bind: SocketAddr,
+    #[arg(long, env = "QSTASH_TOKEN", default_value = DEV_TOKEN)]
+    token: String,
+    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+    dedup_window: Duration,
+    /// A TOML file of fault settings (keys of `FaultConfig`); the flags below override it.
+    #[arg(long)]
+    faults: Option<PathBuf>,
+    #[arg(long)]
+    server_error: Option<f64>,
+    #[arg(long)]
+    rate_limited: Option<f64>,
+    #[arg(long)]
+    hang: Option<f64>,
+    #[arg(long)]
+    reset: Option<f64>,
+    #[arg(long)]
+    lost_response: Option<f64>,
+    #[arg(long)]
+    element_error: Option<f64>,
+    #[arg(long, value_parser = humantime::parse_duration)]
+    latency: Option<Duration>,
+    #[arg(long, value_parser = humantime::parse_duration)]
+    jitter: Option<Duration>,
+    /// An outbox id always rejected with 400 (repeatable).
+    #[arg(long)]
+    poison_id: Vec<i64>,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Forward accepted messages to their (loopback) destinations, signed.
+    #[arg(long)]
+    deliver: bool,
+    /// Write every record as JSON lines here on exit.
+    #[arg(long)]
+    records_out: Option<PathBuf>,
+}
+
+impl SinkArgs {
+    fn config(&self) -> anyhow::Result<SinkConfig> {
+        let mut f: FaultConfig = match &self.faults {
+            Some(path) => toml::from_str(&std::fs::read_to_string(path)?)?,
+            None => FaultConfig::default(),
+        };
+        let set = |dst: &mut f64, v: Option<f64>| {
+            if let Some(v) = v {
+                *dst = v;
+            }
+        };
+        set(&mut f.server_error, self.server_error);
+        set(&mut f.rate_limited, self.rate_limited);
+        set(&mut f.hang, self.hang);
+        set(&mut f.reset, self.reset);
+        set(&mut f.lost_response, self.lost_response);
+        set(&mut f.element_error, self.element_error);
+        if let Some(l) = self.latency {
+            f.latency = l;
+        }
+        if let Some(j) = self.jitter {
+            f.jitter = j;
+        }
+        if let Some(s) = self.seed {
+            f.seed = s;
+        }
+        f.poison_ids.extend(self.poison_id.iter().copied());
+        Ok(SinkConfig {
+            bind: self.bind,
+            token: self.token.clone(),
+            dedup_window: self.dedup_window,
+            faults: f,
+            delivery: self.deliver.then(DeliveryConfig::default),
+        })
+    }
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("LOADTEST_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(dispatch(cli.command)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
+    let tag = || uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+    match command {
+        Command::Sink(args) => {
+            let sink = Sink::start(args.config()?).await?;
+            println!("QSTASH_URL={}", sink.url());
+            println!("QSTASH_TOKEN={}", sink.token());
+            tokio::signal::ctrl_c().await?;
+            let stats = sink.stats();
+            if let Some(path) = &args.records_out {
+                let mut out = String::new();
+                for r in sink.records() {
+                    out.push_str(&serde_json::to_string(&r)?);
+                    out.push('\n');
+                }
+                std::fs::write(path, out)?;
+            }
+            sink.stop().await;
+            println!("{}", serde_json::to_string_pretty(&stats)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Produce {
+            database_url,
+            rate,
+            duration,
+            max_events,
+            connections,
+            events_per_tx,
+            mix,
+        } => {
+            let spec = LoadSpec {
+                rate,
+                duration,
+                max_events,
+                connections,
+                events_per_tx,
+                synchronous_commit: false,
+                mix: mix.mix(),
+            };
+            let stats = producer::produce(&database_url, &spec, &tag(), None, None).await?;
+            println!(
+                "{} events in {} transactions, {:.2} s ({:.0} events/s)",
+                stats.events,
+                stats.transactions,
+                stats.elapsed_secs,
+                stats.events_per_sec()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Preload {
+            database_url,
+            events,
+            connections,
+            mix,
+        } => {
+            let spec = PreloadSpec {
+                events,
+                connections,
+                mix: mix.mix(),
+            };
+            let stats = producer::preload(&database_url, &spec, &tag(), None).await?;
+            println!(
+                "{} rows copied in {:.2} s ({:.0} rows/s)",
+                stats.events,
+                stats.elapsed_secs,
+                stats.events_per_sec()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Run {
+            scenario,
+            database_url,
+            relay_bin,
+            out,
+            keep_database,
+            no_progress,
+        } => {
+            let scenario = Scenario::load(&scenario)?;
+            let mut opts = RunOptions::new(out.join(&scenario.name));
+            opts.database_url = database_url;
+            opts.keep_database = keep_database;
+            opts.progress = !no_progress;
+            if let Some(bin) = relay_bin {
+                opts.relay_bin = bin;
+            }
+            let report = run_scenario(&scenario, &opts).await?;
+            print!("{}", report.table());
+            println!("report: {}", opts.out_dir.join("report.json").display());
+            Ok(if report.passed {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
+    }
+}

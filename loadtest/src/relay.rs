@@ -1,0 +1,165 @@
+//! The relay under test as a child process: the real `outbox-relay` binary,
+//! `run --config <file>` with DATABASE_URL, QSTASH_URL and QSTASH_TOKEN in its
+//! environment; it must exit 0 on SIGTERM. `outbox-relay migrate` creates the schema.
+
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+
+use tokio::process::{Child, Command};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    #[error("cannot start {bin}: {source}")]
+    Spawn { bin: String, source: std::io::Error },
+    #[error("`{bin} migrate` failed ({status}): {stderr}")]
+    Migrate {
+        bin: String,
+        status: ExitStatus,
+        stderr: String,
+    },
+    #[error("the relay did not exit within {0:?} of SIGTERM (killed)")]
+    StopTimeout(Duration),
+    #[error("the relay exited with {0} on SIGTERM, not 0")]
+    BadExit(ExitStatus),
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// The `outbox-relay` next to the running binary (`target/<profile>/`), also
+/// when the running binary is a test in `target/<profile>/deps/`.
+pub fn default_relay_bin() -> PathBuf {
+    let exe = std::env::current_exe().unwrap_or_default();
+    let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+    if dir.file_name().is_some_and(|n| n == "deps") {
+        dir.pop();
+    }
+    dir.join("outbox-relay")
+}
+
+/// How to start the relay.
+#[derive(Debug, Clone)]
+pub struct RelayCommand {
+    pub bin: PathBuf,
+    pub config: PathBuf,
+    pub database_url: String,
+    pub qstash_url: String,
+    pub qstash_token: String,
+    /// stdout and stderr are appended here (one file over restarts).
+    pub log: Option<PathBuf>,
+}
+
+impl RelayCommand {
+    fn command(&self, args: &[&str]) -> Result<Command, RelayError> {
+        let mut c = Command::new(&self.bin);
+        c.args(args)
+            .env("DATABASE_URL", &self.database_url)
+            .env("QSTASH_URL", &self.qstash_url)
+            .env("QSTASH_TOKEN", &self.qstash_token)
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+        match &self.log {
+            Some(path) => {
+                let f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)?;
+                c.stdout(f.try_clone()?).stderr(f);
+            }
+            None => {
+                c.stdout(Stdio::null()).stderr(Stdio::null());
+            }
+        }
+        Ok(c)
+    }
+
+    /// `outbox-relay migrate`, waiting for it to finish.
+    pub async fn migrate(&self) -> Result<(), RelayError> {
+        let mut c = self.command(&["migrate"])?;
+        c.stdout(Stdio::piped()).stderr(Stdio::piped());
+        let out = c.output().await.map_err(|source| RelayError::Spawn {
+            bin: self.bin.display().to_string(),
+            source,
+        })?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(RelayError::Migrate {
+                bin: self.bin.display().to_string(),
+                status: out.status,
+                stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            })
+        }
+    }
+
+    /// `outbox-relay run --config <file>`.
+    pub fn spawn(&self) -> Result<RelayProcess, RelayError> {
+        let config = self.config.display().to_string();
+        let child = self
+            .command(&["run", "--config", &config])?
+            .spawn()
+            .map_err(|source| RelayError::Spawn {
+                bin: self.bin.display().to_string(),
+                source,
+            })?;
+        let pid = child.id().unwrap_or(0);
+        Ok(RelayProcess { child, pid })
+    }
+}
+
+/// A running relay.
+pub struct RelayProcess {
+    child: Child,
+    pid: u32,
+}
+
+impl RelayProcess {
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// The exit status if it already exited (a crash, when we did not stop it).
+    pub fn exited(&mut self) -> Option<ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
+    fn signal(&self, sig: libc::c_int) {
+        // SAFETY: kill(2) on our own child's pid; harmless if it already exited
+        // (it stays a zombie until waited, so the pid is not reused).
+        unsafe {
+            libc::kill(self.pid as libc::pid_t, sig);
+        }
+    }
+
+    /// SIGTERM and wait; the relay must exit 0 within `timeout`, else it is killed.
+    pub async fn terminate(mut self, timeout: Duration) -> Result<ExitStatus, RelayError> {
+        if let Some(status) = self.exited() {
+            return if status.success() {
+                Ok(status)
+            } else {
+                Err(RelayError::BadExit(status))
+            };
+        }
+        self.signal(libc::SIGTERM);
+        match tokio::time::timeout(timeout, self.child.wait()).await {
+            Ok(status) => {
+                let status = status?;
+                if status.success() {
+                    Ok(status)
+                } else {
+                    Err(RelayError::BadExit(status))
+                }
+            }
+            Err(_) => {
+                let _ = self.child.kill().await;
+                Err(RelayError::StopTimeout(timeout))
+            }
+        }
+    }
+
+    /// SIGKILL (a crash at any instruction) and reap it.
+    pub async fn kill(mut self) -> Result<ExitStatus, RelayError> {
+        self.signal(libc::SIGKILL);
+        Ok(self.child.wait().await?)
+    }
+}

@@ -1,0 +1,386 @@
+//! What a run measured: throughput (overall and per second), end-to-end
+//! latency from a row's `created_at` to its first receipt at the sink
+//! (HdrHistogram), relay CPU and memory, database dead tuples, retries and
+//! dead letters. Printed as a table, written as JSON, drawn as SVG.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
+use std::path::Path;
+
+use hdrhistogram::Histogram;
+use serde::{Deserialize, Serialize};
+
+use crate::procstat::RelayUsage;
+use crate::producer::ProduceStats;
+use crate::sink::{Record, SinkStats};
+use crate::verify::{OutboxRow, Verification};
+
+/// Latency percentiles in microseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct LatencySummary {
+    pub count: u64,
+    pub mean_us: f64,
+    pub p50_us: u64,
+    pub p90_us: u64,
+    pub p99_us: u64,
+    pub p999_us: u64,
+    pub max_us: u64,
+}
+
+/// Up to an hour in µs at 3 significant figures.
+fn new_histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("static bounds are valid")
+}
+
+fn record_clamped(h: &mut Histogram<u64>, us: u64) {
+    let _ = h.record(us.clamp(1, h.high()));
+}
+
+impl LatencySummary {
+    pub fn from_histogram(h: &Histogram<u64>) -> Self {
+        if h.is_empty() {
+            return LatencySummary::default();
+        }
+        LatencySummary {
+            count: h.len(),
+            mean_us: h.mean(),
+            p50_us: h.value_at_quantile(0.50),
+            p90_us: h.value_at_quantile(0.90),
+            p99_us: h.value_at_quantile(0.99),
+            p999_us: h.value_at_quantile(0.999),
+            max_us: h.max(),
+        }
+    }
+
+    /// Summary of raw samples (µs); values below 1 µs count as 1.
+    pub fn from_samples(samples: impl IntoIterator<Item = u64>) -> Self {
+        let mut h = new_histogram();
+        for s in samples {
+            record_clamped(&mut h, s);
+        }
+        Self::from_histogram(&h)
+    }
+}
+
+/// One second of the run.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SecondPoint {
+    /// Seconds since the run's origin.
+    pub second: u64,
+    /// Rows first received in this second.
+    pub delivered: u64,
+    /// p99 latency of those rows.
+    pub p99_us: Option<u64>,
+}
+
+/// What the chaos loop did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChaosStats {
+    pub kills: u64,
+    pub backends_terminated: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct DbStats {
+    /// `pg_stat_user_tables.n_dead_tup` of `outbox` at the end.
+    pub outbox_dead_tuples: i64,
+    /// Attempts beyond the first, summed over rows.
+    pub retries: u64,
+    pub dead_letters: u64,
+    pub max_attempts: i32,
+}
+
+/// Everything one run measured.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    pub scenario: String,
+    pub rows: u64,
+    /// Rows received at least once.
+    pub delivered: u64,
+    /// From the origin (relay start, or load start) to the last first receipt.
+    pub duration_secs: f64,
+    pub throughput_per_sec: f64,
+    pub latency: LatencySummary,
+    pub series: Vec<SecondPoint>,
+    pub relay: RelayUsage,
+    pub db: DbStats,
+    pub produced: ProduceStats,
+    pub sink: SinkStats,
+    #[serde(default)]
+    pub chaos: Option<ChaosStats>,
+    pub passed: bool,
+    pub failures: Vec<String>,
+    pub verification: Verification,
+}
+
+/// What [`Report::build`] needs.
+pub struct ReportInput<'a> {
+    pub scenario: &'a str,
+    /// unix µs the throughput clock starts at.
+    pub origin_us: i64,
+    pub rows: &'a [OutboxRow],
+    pub records: &'a [Record],
+    pub relay: RelayUsage,
+    pub outbox_dead_tuples: i64,
+    pub produced: ProduceStats,
+    pub sink: SinkStats,
+    pub verification: Verification,
+}
+
+impl Report {
+    pub fn build(input: ReportInput<'_>) -> Report {
+        let created: HashMap<i64, i64> =
+            input.rows.iter().map(|r| (r.id, r.created_at_us)).collect();
+        // First receipt per row.
+        let mut first: HashMap<i64, i64> = HashMap::with_capacity(created.len());
+        for rec in input.records {
+            if let Some(id) = rec.outbox_id {
+                if created.contains_key(&id) {
+                    first
+                        .entry(id)
+                        .and_modify(|t| *t = (*t).min(rec.received_at_us))
+                        .or_insert(rec.received_at_us);
+                }
+            }
+        }
+        let mut overall = new_histogram();
+        let mut per_second: BTreeMap<u64, Histogram<u64>> = BTreeMap::new();
+        let mut last_us = input.origin_us;
+        for (id, received) in &first {
+            let latency = (received - created[id]).max(0) as u64;
+            record_clamped(&mut overall, latency);
+            let second = ((received - input.origin_us).max(0) / 1_000_000) as u64;
+            record_clamped(
+                per_second.entry(second).or_insert_with(new_histogram),
+                latency,
+            );
+            last_us = last_us.max(*received);
+        }
+        let series = match per_second.keys().next_back() {
+            Some(&end) => (0..=end)
+                .map(|second| match per_second.get(&second) {
+                    Some(h) => SecondPoint {
+                        second,
+                        delivered: h.len(),
+                        p99_us: Some(h.value_at_quantile(0.99)),
+                    },
+                    None => SecondPoint {
+                        second,
+                        delivered: 0,
+                        p99_us: None,
+                    },
+                })
+                .collect(),
+            None => Vec::new(),
+        };
+        let duration_secs = (last_us - input.origin_us).max(0) as f64 / 1e6;
+        let delivered = first.len() as u64;
+        let db = DbStats {
+            outbox_dead_tuples: input.outbox_dead_tuples,
+            retries: input
+                .rows
+                .iter()
+                .map(|r| (r.attempt_count.max(1) - 1) as u64)
+                .sum(),
+            dead_letters: input.rows.iter().filter(|r| r.dead_lettered).count() as u64,
+            max_attempts: input
+                .rows
+                .iter()
+                .map(|r| r.attempt_count)
+                .max()
+                .unwrap_or(0),
+        };
+        let failures = input.verification.failures();
+        Report {
+            scenario: input.scenario.to_owned(),
+            rows: input.rows.len() as u64,
+            delivered,
+            duration_secs,
+            throughput_per_sec: if duration_secs > 0.0 {
+                delivered as f64 / duration_secs
+            } else {
+                0.0
+            },
+            latency: LatencySummary::from_histogram(&overall),
+            series,
+            relay: input.relay,
+            db,
+            produced: input.produced,
+            sink: input.sink,
+            chaos: None,
+            passed: failures.is_empty(),
+            failures,
+            verification: input.verification,
+        }
+    }
+
+    /// An aligned two-column table for the terminal.
+    pub fn table(&self) -> String {
+        let ms = |us: u64| format!("{:.2} ms", us as f64 / 1000.0);
+        let v = &self.verification;
+        let rows: Vec<(&str, String)> = vec![
+            ("scenario", self.scenario.clone()),
+            (
+                "result",
+                if self.passed {
+                    "PASS".into()
+                } else {
+                    "FAIL".into()
+                },
+            ),
+            ("rows in outbox", self.rows.to_string()),
+            ("rows delivered", self.delivered.to_string()),
+            ("duration", format!("{:.2} s", self.duration_secs)),
+            (
+                "throughput",
+                format!("{:.0} events/s", self.throughput_per_sec),
+            ),
+            ("latency p50", ms(self.latency.p50_us)),
+            ("latency p90", ms(self.latency.p90_us)),
+            ("latency p99", ms(self.latency.p99_us)),
+            ("latency p99.9", ms(self.latency.p999_us)),
+            ("latency max", ms(self.latency.max_us)),
+            ("relay CPU", format!("{:.2} s", self.relay.cpu_secs)),
+            (
+                "relay peak RSS",
+                format!("{:.1} MiB", self.relay.peak_rss_kib as f64 / 1024.0),
+            ),
+            ("relay processes", self.relay.processes.to_string()),
+            ("outbox dead tuples", self.db.outbox_dead_tuples.to_string()),
+            ("retries", self.db.retries.to_string()),
+            ("dead letters", self.db.dead_letters.to_string()),
+            (
+                "duplicates",
+                format!(
+                    "{} ({} deduplicated by the sink)",
+                    v.duplicates, v.duplicates_deduplicated
+                ),
+            ),
+            ("missing", v.missing.len().to_string()),
+            (
+                "order violations",
+                if v.order_checked {
+                    v.order_violations.len().to_string()
+                } else {
+                    "not checked".into()
+                },
+            ),
+            (
+                "poison dead-lettered",
+                format!("{}/{}", v.poison.dead_lettered, v.poison.expected),
+            ),
+            (
+                "produced",
+                format!(
+                    "{} events in {:.2} s",
+                    self.produced.events, self.produced.elapsed_secs
+                ),
+            ),
+            (
+                "sink requests",
+                format!(
+                    "{} ({} faults injected)",
+                    self.sink.requests,
+                    self.sink.server_errors
+                        + self.sink.rate_limited
+                        + self.sink.hangs
+                        + self.sink.resets
+                        + self.sink.lost_responses
+                        + self.sink.element_errors
+                ),
+            ),
+        ];
+        let width = rows
+            .iter()
+            .map(|(k, _)| k.chars().count())
+            .max()
+            .unwrap_or(0);
+        let mut out = String::new();
+        for (k, val) in rows {
+            let _ = writeln!(out, "{k:<width$}  {val}");
+        }
+        for f in &self.failures {
+            let _ = writeln!(out, "FAILURE: {f}");
+        }
+        out
+    }
+
+    pub fn write_json(&self, path: &Path) -> std::io::Result<()> {
+        let json = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
+        std::fs::write(path, json)
+    }
+
+    /// Throughput and p99 latency per second, two panels, as an SVG document.
+    pub fn svg(&self) -> Result<String, String> {
+        use plotters::prelude::*;
+        let mut svg = String::new();
+        {
+            let root = SVGBackend::with_string(&mut svg, (900, 600)).into_drawing_area();
+            root.fill(&WHITE).map_err(|e| e.to_string())?;
+            let (top, bottom) = root.split_vertically(300);
+            let end = self.series.last().map(|p| p.second + 1).unwrap_or(1);
+            let max_tp = self
+                .series
+                .iter()
+                .map(|p| p.delivered)
+                .max()
+                .unwrap_or(0)
+                .max(1);
+            let mut chart = ChartBuilder::on(&top)
+                .caption(
+                    format!("{}: delivered events/s", self.scenario),
+                    ("sans-serif", 18),
+                )
+                .margin(10)
+                .x_label_area_size(30)
+                .y_label_area_size(60)
+                .build_cartesian_2d(0u64..end, 0u64..max_tp + max_tp / 10 + 1)
+                .map_err(|e| e.to_string())?;
+            chart
+                .configure_mesh()
+                .x_desc("s")
+                .draw()
+                .map_err(|e| e.to_string())?;
+            chart
+                .draw_series(LineSeries::new(
+                    self.series.iter().map(|p| (p.second, p.delivered)),
+                    &BLUE,
+                ))
+                .map_err(|e| e.to_string())?;
+            let max_p99 = self
+                .series
+                .iter()
+                .filter_map(|p| p.p99_us)
+                .max()
+                .unwrap_or(0) as f64
+                / 1000.0;
+            let mut chart = ChartBuilder::on(&bottom)
+                .caption("latency p99 (ms)", ("sans-serif", 18))
+                .margin(10)
+                .x_label_area_size(30)
+                .y_label_area_size(60)
+                .build_cartesian_2d(0u64..end, 0f64..(max_p99 * 1.1).max(1.0))
+                .map_err(|e| e.to_string())?;
+            chart
+                .configure_mesh()
+                .x_desc("s")
+                .draw()
+                .map_err(|e| e.to_string())?;
+            chart
+                .draw_series(LineSeries::new(
+                    self.series
+                        .iter()
+                        .filter_map(|p| p.p99_us.map(|v| (p.second, v as f64 / 1000.0))),
+                    &RED,
+                ))
+                .map_err(|e| e.to_string())?;
+            root.present().map_err(|e| e.to_string())?;
+        }
+        Ok(svg)
+    }
+
+    pub fn write_svg(&self, path: &Path) -> std::io::Result<()> {
+        let svg = self.svg().map_err(std::io::Error::other)?;
+        std::fs::write(path, svg)
+    }
+}

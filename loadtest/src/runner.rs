@@ -1,0 +1,434 @@
+//! Runs one scenario end to end:
+//!
+//! 1. a fresh database: on the server given (`--database-url`), else on a
+//!    throwaway cluster of our own (`testkit::ThrowawayCluster`);
+//! 2. `outbox-relay migrate`;
+//! 3. the in-process sink, with the scenario's faults;
+//! 4. the relay's TOML config (one QStash route to the sink), written to the output directory;
+//! 5. preload (drain), then the relay child process, sampled from `/proc`;
+//! 6. producers (steady, chaos, poison), and for chaos the kill/restart and
+//!    `pg_terminate_backend` loop;
+//! 7. wait until the outbox has no pending row (bounded by `drain_timeout`);
+//! 8. SIGTERM the relay (it must exit 0), verify, report (table, JSON, SVG).
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tokio::sync::{watch, Mutex};
+
+use crate::procstat::UsageTracker;
+use crate::producer::{self, ProduceProgress, ProduceStats, APPLICATION_NAME};
+use crate::relay::{RelayCommand, RelayError, RelayProcess};
+use crate::report::{ChaosStats, Report, ReportInput};
+use crate::scenario::{relay_config_toml, ChaosSpec, Scenario, ScenarioKind};
+use crate::sink::{Sink, SinkConfig};
+use crate::verify::{verify, VerifyOptions};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("{0}")]
+    Setup(String),
+    #[error(transparent)]
+    Scenario(#[from] crate::scenario::ScenarioError),
+    #[error(transparent)]
+    Relay(#[from] RelayError),
+    #[error(transparent)]
+    Produce(#[from] producer::ProduceError),
+    #[error("database: {0}")]
+    Postgres(#[from] tokio_postgres::Error),
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+fn setup(context: &str) -> impl Fn(&dyn std::fmt::Display) -> RunError + '_ {
+    move |e| RunError::Setup(format!("{context}: {e}"))
+}
+
+/// How to run.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// A server to create the run's database on; a throwaway cluster when `None`.
+    pub database_url: Option<String>,
+    pub relay_bin: PathBuf,
+    /// `relay.toml`, `relay.log`, `report.json`, `report.svg` go here.
+    pub out_dir: PathBuf,
+    /// Leave the run's database in place (its URL is printed).
+    pub keep_database: bool,
+    pub progress: bool,
+    /// The relay must exit within this long of SIGTERM.
+    pub relay_stop_timeout: Duration,
+}
+
+impl RunOptions {
+    pub fn new(out_dir: impl Into<PathBuf>) -> Self {
+        RunOptions {
+            database_url: None,
+            relay_bin: crate::relay::default_relay_bin(),
+            out_dir: out_dir.into(),
+            keep_database: false,
+            progress: true,
+            relay_stop_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// The run's own database, and the cluster under it when we started one.
+pub struct RunDatabase {
+    pub url: String,
+    pub name: String,
+    server_url: String,
+    cluster: Option<outbox_relay::testkit::ThrowawayCluster>,
+}
+
+impl RunDatabase {
+    /// A fresh, empty database on `server_url`, or on a new throwaway cluster.
+    pub async fn create(server_url: Option<&str>) -> Result<RunDatabase, RunError> {
+        let (server_url, cluster) = match server_url {
+            Some(url) => (url.to_owned(), None),
+            None => {
+                let cluster =
+                    tokio::task::spawn_blocking(outbox_relay::testkit::ThrowawayCluster::start)
+                        .await
+                        .map_err(|e| setup("throwaway cluster")(&e))?
+                        .map_err(|e| setup("throwaway cluster")(&e))?;
+                (cluster.url(), Some(cluster))
+            }
+        };
+        let name = format!("loadtest_{}", uuid::Uuid::new_v4().simple());
+        let admin = outbox_relay::db::connect(&server_url)
+            .await
+            .map_err(|e| setup("connect to the database server")(&e))?;
+        // A generated identifier, not input: CREATE DATABASE takes no parameters.
+        admin
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await?;
+        Ok(RunDatabase {
+            url: outbox_relay::testkit::url_with_dbname(&server_url, &name),
+            name,
+            server_url,
+            cluster,
+        })
+    }
+
+    /// Drops the database (and stops our cluster, if any).
+    pub async fn drop_database(self) -> Result<(), RunError> {
+        if self.cluster.is_none() {
+            let admin = outbox_relay::db::connect(&self.server_url)
+                .await
+                .map_err(|e| setup("connect to the database server")(&e))?;
+            admin
+                .batch_execute(&format!(
+                    "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                    self.name
+                ))
+                .await?;
+        }
+        Ok(())
+    }
+}
+
+fn now_us() -> i64 {
+    chrono::Utc::now().timestamp_micros()
+}
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+const PENDING: &str =
+    "SELECT count(*) FROM outbox WHERE published_at IS NULL AND dead_lettered_at IS NULL";
+const DEAD_TUPLES: &str =
+    "SELECT coalesce(max(n_dead_tup), 0) FROM pg_stat_user_tables WHERE relname = 'outbox'";
+/// Every client backend of this database but the harness's own.
+const TERMINATE_RELAY_BACKENDS: &str = "SELECT count(pg_terminate_backend(pid))
+FROM pg_stat_activity
+WHERE datname = current_database() AND pid <> pg_backend_pid()
+  AND backend_type = 'client backend' AND application_name <> $1";
+
+/// The relay slot chaos swaps processes in and out of.
+struct RelaySlot {
+    process: Mutex<Option<RelayProcess>>,
+    pid: AtomicU32,
+}
+
+impl RelaySlot {
+    async fn start(&self, cmd: &RelayCommand) -> Result<(), RunError> {
+        let p = cmd.spawn()?;
+        self.pid.store(p.pid(), Ordering::Relaxed);
+        *self.process.lock().await = Some(p);
+        Ok(())
+    }
+
+    async fn take(&self) -> Option<RelayProcess> {
+        self.pid.store(0, Ordering::Relaxed);
+        self.process.lock().await.take()
+    }
+}
+
+/// Runs `scenario`; the report says whether it passed.
+pub async fn run_scenario(scenario: &Scenario, opts: &RunOptions) -> Result<Report, RunError> {
+    scenario.validate()?;
+    std::fs::create_dir_all(&opts.out_dir)?;
+    let db = RunDatabase::create(opts.database_url.as_deref()).await?;
+    let result = run_on(scenario, opts, &db).await;
+    if opts.keep_database {
+        eprintln!("database kept: {}", db.url);
+    } else if let Err(e) = db.drop_database().await {
+        tracing::warn!(error = %e, "could not drop the run's database");
+    }
+    result
+}
+
+async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Report, RunError> {
+    let run_tag = format!(
+        "{}-{}",
+        s.name,
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    let admin = producer::connect(&db.url).await?;
+
+    let sink = Sink::start(SinkConfig {
+        dedup_window: s.sink.dedup_window,
+        faults: s.sink.faults.clone(),
+        ..SinkConfig::default()
+    })
+    .await
+    .map_err(|e| setup("sink")(&e))?;
+    let config_path = opts.out_dir.join("relay.toml");
+    std::fs::write(
+        &config_path,
+        relay_config_toml(s, sink.addr().port(), free_port()?)?,
+    )?;
+    let cmd = RelayCommand {
+        bin: opts.relay_bin.clone(),
+        config: config_path,
+        database_url: db.url.clone(),
+        qstash_url: sink.url(),
+        qstash_token: sink.token().to_owned(),
+        log: Some(opts.out_dir.join("relay.log")),
+    };
+    cmd.migrate().await?;
+
+    let bar = if opts.progress {
+        let expected = s.preload.as_ref().map_or(0, |p| p.events)
+            + s.load.as_ref().map_or(0, |l| {
+                l.max_events
+                    .unwrap_or(u64::MAX)
+                    .min(l.rate.map_or(0, |r| (r * l.duration.as_secs_f64()) as u64))
+            });
+        let bar = ProgressBar::new(expected.max(1));
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} received  {msg}",
+            )
+            .expect("static template"),
+        );
+        bar
+    } else {
+        ProgressBar::hidden()
+    };
+
+    let progress = Arc::new(ProduceProgress::default());
+    let mut produced = ProduceStats::default();
+    if let Some(p) = &s.preload {
+        bar.set_message("preloading");
+        produced = producer::preload(&db.url, p, &run_tag, Some(Arc::clone(&progress))).await?;
+    }
+
+    // The relay, its /proc sampler and the progress ticker.
+    let slot = Arc::new(RelaySlot {
+        process: Mutex::new(None),
+        pid: AtomicU32::new(0),
+    });
+    let origin_us = now_us();
+    slot.start(&cmd).await?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let usage = Arc::new(StdMutex::new(UsageTracker::default()));
+    let sampler = {
+        let slot = Arc::clone(&slot);
+        let usage = Arc::clone(&usage);
+        let mut stop = stop_rx.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(250));
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    _ = stop.wait_for(|s| *s) => break,
+                }
+                let pid = slot.pid.load(Ordering::Relaxed);
+                if pid != 0 {
+                    usage.lock().expect("usage lock").sample(pid);
+                }
+            }
+        })
+    };
+    let chaos = match (&s.kind, &s.chaos) {
+        (ScenarioKind::Chaos, Some(spec)) => Some(tokio::spawn(chaos_loop(
+            spec.clone(),
+            Arc::clone(&slot),
+            cmd.clone(),
+            db.url.clone(),
+            stop_rx.clone(),
+        ))),
+        _ => None,
+    };
+
+    let mut failures = Vec::new();
+    if let Some(load) = &s.load {
+        bar.set_message("producing");
+        let producing = producer::produce(
+            &db.url,
+            load,
+            &run_tag,
+            Some(Arc::clone(&progress)),
+            Some(stop_rx.clone()),
+        );
+        tokio::pin!(producing);
+        let mut tick = tokio::time::interval(Duration::from_millis(200));
+        let stats = loop {
+            tokio::select! {
+                r = &mut producing => break r?,
+                _ = tick.tick() => bar.set_position(sink.record_count() as u64),
+            }
+        };
+        produced.events += stats.events;
+        produced.transactions += stats.transactions;
+        produced.poison += stats.poison;
+        produced.elapsed_secs += stats.elapsed_secs;
+    }
+
+    // Wait for the outbox to empty (polling a condition, bounded).
+    bar.set_message("draining");
+    let deadline = Instant::now() + s.drain_timeout;
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    loop {
+        tick.tick().await;
+        bar.set_position(sink.record_count() as u64);
+        let pending: i64 = admin.query_one(PENDING, &[]).await?.get(0);
+        bar.set_message(format!("{pending} pending"));
+        if pending == 0 {
+            break;
+        }
+        if chaos.is_none() {
+            if let Some(p) = slot.process.lock().await.as_mut() {
+                if let Some(status) = p.exited() {
+                    failures.push(format!("the relay exited on its own with {status}"));
+                    break;
+                }
+            }
+        }
+        if Instant::now() >= deadline {
+            failures.push(format!(
+                "{pending} events still pending after drain_timeout ({})",
+                humantime::format_duration(s.drain_timeout)
+            ));
+            break;
+        }
+    }
+    bar.finish_and_clear();
+
+    stop_tx.send_replace(true);
+    let chaos_stats = match chaos {
+        Some(task) => Some(task.await.map_err(|e| setup("chaos task")(&e))??),
+        None => None,
+    };
+    let _ = sampler.await;
+    if let Some(p) = slot.take().await {
+        if let Err(e) = p.terminate(opts.relay_stop_timeout).await {
+            failures.push(e.to_string());
+        }
+    }
+
+    let records = sink.records();
+    let sink_stats = sink.stats();
+    sink.stop().await;
+    let opts_verify = VerifyOptions {
+        ordered: s.ordered(),
+        poison_ids: s.sink.faults.poison_ids.clone(),
+        poison_marker: s.sink.faults.poison_marker,
+    };
+    let (verification, rows) = verify(&admin, &records, &opts_verify).await?;
+    let dead_tuples: i64 = admin.query_one(DEAD_TUPLES, &[]).await?.get(0);
+    let relay_usage = usage.lock().expect("usage lock").usage();
+    let mut report = Report::build(ReportInput {
+        scenario: &s.name,
+        origin_us,
+        rows: &rows,
+        records: &records,
+        relay: relay_usage,
+        outbox_dead_tuples: dead_tuples,
+        produced,
+        sink: sink_stats,
+        verification,
+    });
+    report.chaos = chaos_stats;
+    if !failures.is_empty() {
+        report.failures.extend(failures);
+        report.passed = false;
+    }
+    report.write_json(&opts.out_dir.join("report.json"))?;
+    report.write_svg(&opts.out_dir.join("report.svg"))?;
+    Ok(report)
+}
+
+/// Kills and restarts the relay, and cuts its backends, until `stop`.
+/// Leaves a relay running when it returns.
+async fn chaos_loop(
+    spec: ChaosSpec,
+    slot: Arc<RelaySlot>,
+    cmd: RelayCommand,
+    db_url: String,
+    mut stop: watch::Receiver<bool>,
+) -> Result<ChaosStats, RunError> {
+    let mut rng = StdRng::seed_from_u64(spec.seed);
+    let mut stats = ChaosStats::default();
+    let admin = producer::connect(&db_url).await?;
+    let draw_kill = |rng: &mut StdRng| {
+        let lo = spec.kill_every_min.as_millis() as u64;
+        let hi = spec.kill_every_max.as_millis() as u64;
+        Instant::now() + Duration::from_millis(rng.random_range(lo..=hi))
+    };
+    let mut next_kill = draw_kill(&mut rng);
+    let mut next_cut = spec.terminate_backends_every.map(|d| Instant::now() + d);
+    loop {
+        let wake = next_cut.map_or(next_kill, |c| c.min(next_kill));
+        tokio::select! {
+            _ = tokio::time::sleep_until(wake.into()) => {}
+            _ = stop.wait_for(|s| *s) => break,
+        }
+        let now = Instant::now();
+        if now >= next_kill {
+            if let Some(p) = slot.take().await {
+                p.kill().await?;
+                stats.kills += 1;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(spec.restart_after) => {}
+                _ = stop.wait_for(|s| *s) => {}
+            }
+            slot.start(&cmd).await?;
+            next_kill = draw_kill(&mut rng);
+        }
+        if let (Some(cut), Some(every)) = (next_cut, spec.terminate_backends_every) {
+            if now >= cut {
+                let n: i64 = admin
+                    .query_one(TERMINATE_RELAY_BACKENDS, &[&APPLICATION_NAME])
+                    .await?
+                    .get(0);
+                stats.backends_terminated += n as u64;
+                next_cut = Some(now + every);
+            }
+        }
+    }
+    if slot.process.lock().await.is_none() {
+        slot.start(&cmd).await?;
+    }
+    Ok(stats)
+}

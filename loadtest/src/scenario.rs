@@ -1,0 +1,296 @@
+//! Scenario files (`config/loadtest/*.toml`) and the relay config generated
+//! for a run.
+
+use std::path::Path;
+use std::time::Duration;
+
+use outbox_relay::config::Ordering;
+use serde::{Deserialize, Serialize};
+
+use crate::producer::{LoadSpec, PreloadSpec};
+use crate::sink::FaultConfig;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScenarioKind {
+    /// Preload a backlog, then start the relay and time it to empty.
+    Drain,
+    /// A fixed rate for a duration with the relay running.
+    Steady,
+    /// Steady load while the relay is killed and restarted, its backends
+    /// terminated, and the sink misbehaves.
+    Chaos,
+    /// Steady load with a fraction of poison events.
+    Poison,
+}
+
+/// Kill the relay and cut its database connections at random intervals.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ChaosSpec {
+    /// SIGKILL the relay after a uniform random wait in `[kill_every_min, kill_every_max]` ...
+    #[serde(with = "humantime_serde")]
+    pub kill_every_min: Duration,
+    #[serde(with = "humantime_serde")]
+    pub kill_every_max: Duration,
+    /// ... and start it again this much later.
+    #[serde(with = "humantime_serde")]
+    pub restart_after: Duration,
+    /// `pg_terminate_backend` every relay backend this often; never when absent.
+    #[serde(default, with = "humantime_serde")]
+    pub terminate_backends_every: Option<Duration>,
+    pub seed: u64,
+}
+
+impl Default for ChaosSpec {
+    fn default() -> Self {
+        ChaosSpec {
+            kill_every_min: Duration::from_secs(3),
+            kill_every_max: Duration::from_secs(8),
+            restart_after: Duration::from_millis(500),
+            terminate_backends_every: Some(Duration::from_secs(5)),
+            seed: 1,
+        }
+    }
+}
+
+/// The sink's side of a scenario.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SinkSpec {
+    #[serde(with = "humantime_serde")]
+    pub dedup_window: Duration,
+    pub faults: FaultConfig,
+}
+
+impl Default for SinkSpec {
+    fn default() -> Self {
+        SinkSpec {
+            dedup_window: Duration::from_secs(600),
+            faults: FaultConfig::default(),
+        }
+    }
+}
+
+/// One scenario file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    pub kind: ScenarioKind,
+    /// The route's ordering; `partition_key` also turns on the order check.
+    #[serde(default)]
+    pub ordering: Ordering,
+    /// Backlog written before the relay starts (drain).
+    #[serde(default)]
+    pub preload: Option<PreloadSpec>,
+    /// Load while the relay runs (steady, chaos, poison).
+    #[serde(default)]
+    pub load: Option<LoadSpec>,
+    #[serde(default)]
+    pub sink: SinkSpec,
+    #[serde(default)]
+    pub chaos: Option<ChaosSpec>,
+    /// Give up waiting for the outbox to empty after this long.
+    #[serde(default = "default_drain_timeout", with = "humantime_serde")]
+    pub drain_timeout: Duration,
+    /// Merged over the generated relay config, e.g. `[relay_config.relay] claim_batch = 1000`.
+    #[serde(default)]
+    pub relay_config: toml::Table,
+}
+
+fn default_drain_timeout() -> Duration {
+    Duration::from_secs(300)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ScenarioError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("scenario `{name}`: {message}")]
+    Invalid { name: String, message: String },
+    #[error("generated relay config: {0}")]
+    RelayConfig(String),
+}
+
+impl Scenario {
+    pub fn load(path: &Path) -> Result<Scenario, ScenarioError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ScenarioError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let s = Self::from_toml_str(&text).map_err(|e| match e {
+            ScenarioError::Parse { message, .. } => ScenarioError::Parse {
+                path: path.display().to_string(),
+                message,
+            },
+            other => other,
+        })?;
+        Ok(s)
+    }
+
+    pub fn from_toml_str(text: &str) -> Result<Scenario, ScenarioError> {
+        let s: Scenario = toml::from_str(text).map_err(|e| ScenarioError::Parse {
+            path: "<string>".into(),
+            message: e.to_string(),
+        })?;
+        s.validate()?;
+        Ok(s)
+    }
+
+    pub fn validate(&self) -> Result<(), ScenarioError> {
+        let invalid = |message: String| ScenarioError::Invalid {
+            name: self.name.clone(),
+            message,
+        };
+        match self.kind {
+            ScenarioKind::Drain if self.preload.is_none() => {
+                return Err(invalid("a drain scenario needs [preload]".into()))
+            }
+            ScenarioKind::Steady | ScenarioKind::Chaos | ScenarioKind::Poison
+                if self.load.is_none() =>
+            {
+                return Err(invalid(format!("a {:?} scenario needs [load]", self.kind)))
+            }
+            ScenarioKind::Chaos if self.chaos.is_none() => {
+                return Err(invalid("a chaos scenario needs [chaos]".into()))
+            }
+            ScenarioKind::Poison => {
+                let fraction = self.load.as_ref().map_or(0.0, |l| l.mix.poison_fraction);
+                if fraction <= 0.0 && self.sink.faults.poison_ids.is_empty() {
+                    return Err(invalid(
+                        "a poison scenario needs load.poison_fraction > 0 or sink.faults.poison_ids".into(),
+                    ));
+                }
+            }
+            _ => {}
+        }
+        if let Some(l) = &self.load {
+            l.validate().map_err(|m| invalid(format!("load: {m}")))?;
+        }
+        if let Some(p) = &self.preload {
+            p.mix
+                .validate()
+                .map_err(|m| invalid(format!("preload: {m}")))?;
+        }
+        if let Some(c) = &self.chaos {
+            if c.kill_every_min > c.kill_every_max || c.kill_every_min.is_zero() {
+                return Err(invalid(
+                    "chaos: need 0 < kill_every_min <= kill_every_max".into(),
+                ));
+            }
+        }
+        self.sink.faults.validate().map_err(invalid)?;
+        Ok(())
+    }
+
+    pub fn ordered(&self) -> bool {
+        self.ordering == Ordering::PartitionKey
+    }
+}
+
+/// The relay config for a run, as TOML: defaults, one QStash route
+/// `event_type = "*"` to `http://127.0.0.1:<sink_port>/hook` with the scenario's
+/// ordering, the metrics listener on `metrics_port`, then the scenario's
+/// `relay_config` merged over it. Secrets and the database URL are left out:
+/// the relay reads DATABASE_URL, QSTASH_URL and QSTASH_TOKEN from its environment.
+pub fn relay_config_toml(
+    scenario: &Scenario,
+    sink_port: u16,
+    metrics_port: u16,
+) -> Result<String, ScenarioError> {
+    let err = |e: &dyn std::fmt::Display| ScenarioError::RelayConfig(e.to_string());
+    let mut config = outbox_relay::Config::default();
+    config.server.metrics_bind = Some(std::net::SocketAddr::from(([127, 0, 0, 1], metrics_port)));
+    let mut value = toml::Value::try_from(&config).map_err(|e| err(&e))?;
+    let table = value
+        .as_table_mut()
+        .expect("a struct serializes to a table");
+    let mut route = toml::Table::new();
+    route.insert("event_type".into(), "*".into());
+    route.insert("sink".into(), "qstash".into());
+    route.insert(
+        "destination".into(),
+        format!("http://127.0.0.1:{sink_port}/hook").into(),
+    );
+    let ordering = toml::Value::try_from(scenario.ordering).map_err(|e| err(&e))?;
+    route.insert("ordering".into(), ordering);
+    if scenario.ordered() {
+        route.insert("parallelism".into(), 1.into());
+    }
+    table.insert("routes".into(), toml::Value::Array(vec![route.into()]));
+    merge(table, &scenario.relay_config);
+    let text = toml::to_string_pretty(&value).map_err(|e| err(&e))?;
+    // Check it the way the relay will, with the secrets it gets from the environment.
+    let mut check: outbox_relay::Config = toml::from_str(&text).map_err(|e| err(&e))?;
+    check.database.url = "postgres://check@127.0.0.1/check".into();
+    check.qstash.url = format!("http://127.0.0.1:{sink_port}");
+    check.qstash.token = "check".into();
+    check.validate().map_err(|e| err(&e))?;
+    Ok(text)
+}
+
+/// Deep merge: tables merge key by key, anything else is replaced.
+fn merge(base: &mut toml::Table, over: &toml::Table) {
+    for (k, v) in over {
+        match (base.get_mut(k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
+            _ => {
+                base.insert(k.clone(), v.clone());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ORDERED: &str = r#"
+name = "t"
+kind = "steady"
+ordering = "partition_key"
+[load]
+rate = 100.0
+duration = "2s"
+[relay_config.relay]
+claim_batch = 50
+[relay_config.qstash]
+mode = "single"
+"#;
+
+    #[test]
+    fn generated_relay_config_has_the_route_and_overrides() {
+        let s = Scenario::from_toml_str(ORDERED).unwrap();
+        let text = relay_config_toml(&s, 4321, 4322).unwrap();
+        let c: outbox_relay::Config = toml::from_str(&text).unwrap();
+        assert_eq!(c.routes.len(), 1);
+        assert_eq!(c.routes[0].destination, "http://127.0.0.1:4321/hook");
+        assert_eq!(c.routes[0].event_type, "*");
+        assert_eq!(c.routes[0].ordering, Ordering::PartitionKey);
+        assert_eq!(c.routes[0].parallelism, Some(1));
+        assert_eq!(c.relay.claim_batch, 50);
+        assert_eq!(c.relay.shards, 2, "untouched keys keep their defaults");
+        assert_eq!(c.qstash.mode, outbox_relay::config::PublishMode::Single);
+        assert_eq!(c.server.metrics_bind.unwrap().port(), 4322);
+        assert!(c.qstash.token.is_empty() && c.database.url.is_empty());
+    }
+
+    #[test]
+    fn bad_overrides_and_missing_sections_are_refused() {
+        let bad = ORDERED.replace("claim_batch = 50", "claim_batchh = 50");
+        let s = Scenario::from_toml_str(&bad).unwrap();
+        assert!(relay_config_toml(&s, 1, 2).is_err());
+        let e = Scenario::from_toml_str("name = \"d\"\nkind = \"drain\"").unwrap_err();
+        assert!(e.to_string().contains("[preload]"), "{e}");
+        let e = Scenario::from_toml_str("name = \"x\"\nkind = \"steady\"\nspeed = 1").unwrap_err();
+        assert!(e.to_string().contains("speed"), "{e}");
+    }
+}

@@ -1,0 +1,245 @@
+//! Fault injection: what the sink does wrong on purpose, drawn from a seeded RNG
+//! so a run can be replayed.
+//!
+//! Whole-request faults are drawn once per HTTP request, in this order of
+//! precedence from one uniform draw: `reset`, `hang`, `server_error`,
+//! `rate_limited`, `lost_response` (their fractions add up; the sum should stay
+//! ≤ 1). Element faults (`element_error`) are drawn once per message: on
+//! `/v2/publish` the message is the request, on `/v2/batch` each element.
+//!
+//! Poison events are not random: an event is poison when its outbox id is in
+//! `poison_ids`, or (with `poison_marker`, on by default) when its JSON body has
+//! `"poison": true` at the top level or inside `payload` (the relay's envelope
+//! puts the row's payload there). Poison is always rejected with 400.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+/// Fault fractions and parameters; all zero by default (a well-behaved QStash).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FaultConfig {
+    /// Seed of the RNG the fractions are drawn from.
+    pub seed: u64,
+    /// Requests answered `503 {"error": …}`.
+    pub server_error: f64,
+    /// Requests answered `429` with `Retry-After: <retry_after seconds>`.
+    pub rate_limited: f64,
+    #[serde(with = "humantime_serde")]
+    pub retry_after: Duration,
+    /// Requests never answered: held for `hang_for`, then the connection is dropped.
+    pub hang: f64,
+    /// How long a hung request is held (bounded so a run always ends). Make it
+    /// longer than the relay's `http.request_timeout`.
+    #[serde(with = "humantime_serde")]
+    pub hang_for: Duration,
+    /// Requests whose connection is reset (RST, no answer) before anything is accepted.
+    pub reset: f64,
+    /// Requests that are fully accepted and recorded, then reset instead of
+    /// answered: the relay cannot know it succeeded and publishes again.
+    pub lost_response: f64,
+    /// Fixed delay added before every answer.
+    #[serde(with = "humantime_serde")]
+    pub latency: Duration,
+    /// Uniform random delay in `[0, jitter)` added on top of `latency`.
+    #[serde(with = "humantime_serde")]
+    pub jitter: Duration,
+    /// Messages rejected as a transient failure: `503` on `/v2/publish`, an
+    /// element `{"error": …, "status": 503}` in a batch.
+    pub element_error: f64,
+    /// Outbox ids always rejected with 400.
+    pub poison_ids: BTreeSet<i64>,
+    /// Treat bodies with `"poison": true` (top level or in `payload`) as poison.
+    pub poison_marker: bool,
+}
+
+impl Default for FaultConfig {
+    fn default() -> Self {
+        FaultConfig {
+            seed: 0,
+            server_error: 0.0,
+            rate_limited: 0.0,
+            retry_after: Duration::from_secs(1),
+            hang: 0.0,
+            hang_for: Duration::from_secs(30),
+            reset: 0.0,
+            lost_response: 0.0,
+            latency: Duration::ZERO,
+            jitter: Duration::ZERO,
+            element_error: 0.0,
+            poison_ids: BTreeSet::new(),
+            poison_marker: true,
+        }
+    }
+}
+
+impl FaultConfig {
+    /// Checks fractions are in `[0, 1]` and the request faults add up to at most 1.
+    pub fn validate(&self) -> Result<(), String> {
+        let fractions = [
+            ("server_error", self.server_error),
+            ("rate_limited", self.rate_limited),
+            ("hang", self.hang),
+            ("reset", self.reset),
+            ("lost_response", self.lost_response),
+            ("element_error", self.element_error),
+        ];
+        for (name, f) in fractions {
+            if !(0.0..=1.0).contains(&f) {
+                return Err(format!("faults.{name} must be between 0 and 1, got {f}"));
+            }
+        }
+        let sum =
+            self.server_error + self.rate_limited + self.hang + self.reset + self.lost_response;
+        if sum > 1.0 + 1e-9 {
+            return Err(format!(
+                "faults: server_error + rate_limited + hang + reset + lost_response must be ≤ 1, got {sum}"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What happens to a whole request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RequestFault {
+    None,
+    Reset,
+    Hang,
+    ServerError,
+    RateLimited,
+    LostResponse,
+}
+
+/// The configuration and the RNG it is drawn with.
+pub(crate) struct FaultState {
+    pub config: FaultConfig,
+    rng: StdRng,
+}
+
+impl FaultState {
+    pub fn new(config: FaultConfig) -> Self {
+        let rng = StdRng::seed_from_u64(config.seed);
+        FaultState { config, rng }
+    }
+
+    pub fn draw_request(&mut self) -> RequestFault {
+        let c = &self.config;
+        let total = c.reset + c.hang + c.server_error + c.rate_limited + c.lost_response;
+        if total <= 0.0 {
+            return RequestFault::None;
+        }
+        let u: f64 = self.rng.random();
+        let mut edge = 0.0;
+        for (fraction, fault) in [
+            (c.reset, RequestFault::Reset),
+            (c.hang, RequestFault::Hang),
+            (c.server_error, RequestFault::ServerError),
+            (c.rate_limited, RequestFault::RateLimited),
+            (c.lost_response, RequestFault::LostResponse),
+        ] {
+            edge += fraction;
+            if u < edge {
+                return fault;
+            }
+        }
+        RequestFault::None
+    }
+
+    pub fn draw_element_error(&mut self) -> bool {
+        self.config.element_error > 0.0 && self.rng.random::<f64>() < self.config.element_error
+    }
+
+    pub fn draw_delay(&mut self) -> Duration {
+        let c = &self.config;
+        if c.jitter.is_zero() {
+            return c.latency;
+        }
+        let extra = self.rng.random_range(0..c.jitter.as_micros().max(1) as u64);
+        c.latency + Duration::from_micros(extra)
+    }
+
+    /// Poison by id, or by the body marker.
+    pub fn is_poison(&self, outbox_id: Option<i64>, body: Option<&serde_json::Value>) -> bool {
+        if let Some(id) = outbox_id {
+            if self.config.poison_ids.contains(&id) {
+                return true;
+            }
+        }
+        self.config.poison_marker && body.is_some_and(has_poison_marker)
+    }
+}
+
+/// `"poison": true` at the top level or inside `payload`.
+pub fn has_poison_marker(body: &serde_json::Value) -> bool {
+    let flag = |v: &serde_json::Value| v.get("poison") == Some(&serde_json::Value::Bool(true));
+    flag(body) || body.get("payload").is_some_and(flag)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fractions_are_roughly_honoured_and_replayable() {
+        let config = FaultConfig {
+            seed: 7,
+            server_error: 0.25,
+            reset: 0.25,
+            ..FaultConfig::default()
+        };
+        let draw = |c: &FaultConfig| {
+            let mut s = FaultState::new(c.clone());
+            (0..4000).map(|_| s.draw_request()).collect::<Vec<_>>()
+        };
+        let a = draw(&config);
+        assert_eq!(a, draw(&config));
+        let errors = a
+            .iter()
+            .filter(|f| **f == RequestFault::ServerError)
+            .count();
+        let resets = a.iter().filter(|f| **f == RequestFault::Reset).count();
+        assert!((800..1200).contains(&errors), "{errors}");
+        assert!((800..1200).contains(&resets), "{resets}");
+    }
+
+    #[test]
+    fn validation_names_the_key() {
+        let c = FaultConfig {
+            hang: 1.5,
+            ..FaultConfig::default()
+        };
+        assert!(c.validate().unwrap_err().contains("faults.hang"));
+        let c = FaultConfig {
+            hang: 0.6,
+            reset: 0.6,
+            ..FaultConfig::default()
+        };
+        assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn poison_marker_top_level_or_in_payload() {
+        let s = FaultState::new(FaultConfig::default());
+        assert!(s.is_poison(None, Some(&serde_json::json!({"poison": true}))));
+        assert!(s.is_poison(
+            None,
+            Some(&serde_json::json!({"payload": {"poison": true}}))
+        ));
+        assert!(!s.is_poison(
+            None,
+            Some(&serde_json::json!({"payload": {"poison": false}}))
+        ));
+        let s = FaultState::new(FaultConfig {
+            poison_ids: [42].into(),
+            poison_marker: false,
+            ..FaultConfig::default()
+        });
+        assert!(s.is_poison(Some(42), None));
+        assert!(!s.is_poison(None, Some(&serde_json::json!({"poison": true}))));
+    }
+}

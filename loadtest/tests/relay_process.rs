@@ -1,0 +1,116 @@
+//! The relay child-process paths, against a stand-in script (the engine is not here yet).
+
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use loadtest::procstat::UsageTracker;
+use loadtest::relay::{RelayCommand, RelayError};
+
+/// `migrate` fails with a message when asked to; `run` waits for SIGTERM and exits 0.
+const STAND_IN: &str = r#"#!/bin/sh
+case "$1" in
+  migrate)
+    [ "$FAIL_MIGRATE" = 1 ] && { echo "cannot reach $DATABASE_URL" >&2; exit 3; }
+    exit 0 ;;
+  run)
+    [ "$2" = "--config" ] && [ -f "$3" ] || exit 4
+    [ -n "$QSTASH_URL" ] && [ -n "$QSTASH_TOKEN" ] || exit 5
+    trap 'exit 0' TERM
+    echo "relay up"
+    while :; do sleep 0.05; done ;;
+esac
+exit 2
+"#;
+
+fn stand_in(dir: &tempfile::TempDir, fail_migrate: bool) -> RelayCommand {
+    let bin = dir.path().join("outbox-relay");
+    let script = if fail_migrate {
+        STAND_IN.replace("\"$FAIL_MIGRATE\" = 1", "1 = 1")
+    } else {
+        STAND_IN.to_owned()
+    };
+    std::fs::write(&bin, script).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let config = dir.path().join("relay.toml");
+    std::fs::write(&config, "").unwrap();
+    RelayCommand {
+        bin,
+        config,
+        database_url: "postgres://postgres@127.0.0.1:1/x".into(),
+        qstash_url: "http://127.0.0.1:1".into(),
+        qstash_token: "t".into(),
+        log: Some(dir.path().join("relay.log")),
+    }
+}
+
+/// Polls the log until the stand-in said it is up `n` times (its TERM trap is set by then).
+async fn wait_until_up(dir: &tempfile::TempDir, n: usize) {
+    let log = dir.path().join("relay.log");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .matches("relay up")
+        .count()
+        < n
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "stand-in never came up"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn start_sample_sigterm_and_sigkill() {
+    let dir = tempfile::tempdir().unwrap();
+    let cmd = stand_in(&dir, false);
+    cmd.migrate().await.unwrap();
+
+    let relay = cmd.spawn().unwrap();
+    wait_until_up(&dir, 1).await;
+    let mut usage = UsageTracker::default();
+    usage.sample(relay.pid());
+    let u = usage.usage();
+    assert_eq!(u.processes, 1);
+    assert!(u.peak_rss_kib > 0);
+    let status = relay.terminate(Duration::from_secs(30)).await.unwrap();
+    assert!(status.success());
+
+    let relay = cmd.spawn().unwrap();
+    wait_until_up(&dir, 2).await;
+    let status = relay.kill().await.unwrap();
+    assert_eq!(status.signal(), Some(9));
+}
+
+#[tokio::test]
+async fn a_failing_migrate_reports_its_stderr() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = stand_in(&dir, true).migrate().await.unwrap_err();
+    assert!(matches!(err, RelayError::Migrate { .. }));
+    assert!(
+        err.to_string().contains("cannot reach postgres://"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn a_missing_binary_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = stand_in(&dir, false);
+    cmd.bin = PathBuf::from("/nonexistent/outbox-relay");
+    let err = cmd.spawn().err().unwrap();
+    assert!(
+        err.to_string().contains("/nonexistent/outbox-relay"),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_default_relay_binary_sits_next_to_ours() {
+    let bin = loadtest::relay::default_relay_bin();
+    assert_eq!(bin.file_name().unwrap(), "outbox-relay");
+    assert_ne!(bin.parent().unwrap().file_name().unwrap(), "deps");
+}

@@ -1,0 +1,32 @@
+//! The shipped scenario files load, validate and produce a relay config the relay accepts.
+
+use std::path::PathBuf;
+
+use loadtest::scenario::{relay_config_toml, Scenario, ScenarioKind};
+
+fn dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../config/loadtest")
+}
+
+#[test]
+fn every_shipped_scenario_loads_and_configures_the_relay() {
+    for (file, kind) in [
+        ("drain.toml", ScenarioKind::Drain),
+        ("steady.toml", ScenarioKind::Steady),
+        ("chaos.toml", ScenarioKind::Chaos),
+        ("poison.toml", ScenarioKind::Poison),
+    ] {
+        let s = Scenario::load(&dir().join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert_eq!(s.kind, kind, "{file}");
+        let text = relay_config_toml(&s, 40000, 40001).unwrap_or_else(|e| panic!("{file}: {e}"));
+        // What `outbox-relay run --config` will parse (secrets come from the environment).
+        let parsed: outbox_relay::Config = toml::from_str(&text).unwrap();
+        assert_eq!(parsed.routes.len(), 1, "{file}");
+    }
+    let chaos = Scenario::load(&dir().join("chaos.toml")).unwrap();
+    assert!(
+        chaos.sink.faults.hang_for.as_secs() > 5,
+        "hangs outlive the relay's request timeout"
+    );
+    assert!(chaos.ordered());
+}

@@ -1,0 +1,523 @@
+//! The QStash-compatible sink over real HTTP on loopback.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{bearer, post, Answer, Receiver};
+use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+use loadtest::sink::signing::{body_hash, SignatureClaims};
+use loadtest::sink::{
+    DeliveryConfig, FaultConfig, Sink, SinkConfig, SinkHandle, DEV_CURRENT_SIGNING_KEY, DEV_TOKEN,
+};
+use serde_json::json;
+
+/// Generous: only a hung request ever waits this long.
+const T: Duration = Duration::from_secs(10);
+const DEST: &str = "http://127.0.0.1:9/hook";
+
+async fn sink(faults: FaultConfig) -> SinkHandle {
+    Sink::start(SinkConfig {
+        faults,
+        ..SinkConfig::default()
+    })
+    .await
+    .unwrap()
+}
+
+fn envelope(id: i64, key: &str) -> String {
+    json!({
+        "id": id, "type": "order.placed", "partitionKey": key,
+        "createdAt": "2024-01-02T03:04:05.678901Z", "payload": {"orderId": id}
+    })
+    .to_string()
+}
+
+async fn publish(s: &SinkHandle, id: i64, dedup: &str) -> Answer {
+    let auth = bearer(DEV_TOKEN);
+    let id_s = id.to_string();
+    post(
+        s.addr(),
+        &format!("/v2/publish/{DEST}"),
+        &[
+            ("authorization", &auth),
+            ("content-type", "application/json"),
+            ("upstash-deduplication-id", dedup),
+            ("upstash-forward-x-outbox-id", &id_s),
+            ("upstash-flow-control-key", "pk-1"),
+            ("upstash-flow-control-value", "parallelism=1"),
+        ],
+        envelope(id, "pk-1"),
+        T,
+    )
+    .await
+}
+
+#[tokio::test]
+async fn publish_answers_like_qstash_and_records_the_message() {
+    let s = sink(FaultConfig::default()).await;
+    let auth = bearer(DEV_TOKEN);
+    let a = post(
+        s.addr(),
+        "/v2/publish/http://127.0.0.1:9/hook?a=1&b=%20z&upstash-retries=3",
+        &[
+            ("authorization", &auth),
+            ("upstash-deduplication-id", "key-7"),
+            ("upstash-forward-x-outbox-id", "7"),
+            ("upstash-flow-control-key", "tenant:order-7"),
+        ],
+        envelope(7, "ignored-when-header-present"),
+        T,
+    )
+    .await;
+    assert_eq!(a.status(), 200);
+    let msg_id = a.body()["messageId"].as_str().unwrap().to_owned();
+    assert!(msg_id.starts_with("msg_"), "{msg_id}");
+    assert_eq!(a.body()["url"], "http://127.0.0.1:9/hook?a=1&b=%20z");
+    assert_eq!(a.body()["deduplicated"], false);
+
+    let records = s.records();
+    assert_eq!(records.len(), 1);
+    let r = &records[0];
+    assert_eq!(r.message_id, msg_id);
+    assert_eq!(r.dedup_id.as_deref(), Some("key-7"));
+    assert_eq!(r.outbox_id, Some(7));
+    assert_eq!(r.partition_key.as_deref(), Some("tenant:order-7"));
+    assert_eq!(r.destination, "http://127.0.0.1:9/hook?a=1&b=%20z");
+    assert!(!r.deduplicated && !r.via_batch);
+    let created = chrono::DateTime::parse_from_rfc3339("2024-01-02T03:04:05.678901Z").unwrap();
+    assert_eq!(r.created_at_us, Some(created.timestamp_micros()));
+    let now = chrono::Utc::now().timestamp_micros();
+    assert!(r.received_at_us <= now && r.received_at_us > now - 60_000_000);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn a_repeated_deduplication_id_is_answered_202_with_the_first_id() {
+    let s = sink(FaultConfig::default()).await;
+    let first = publish(&s, 1, "dup-1").await;
+    let second = publish(&s, 1, "dup-1").await;
+    let other = publish(&s, 2, "dup-2").await;
+    assert_eq!(first.status(), 200);
+    assert_eq!(second.status(), 202);
+    assert_eq!(second.body()["deduplicated"], true);
+    assert_eq!(second.body()["messageId"], first.body()["messageId"]);
+    assert_eq!(other.status(), 200);
+    assert_ne!(other.body()["messageId"], first.body()["messageId"]);
+    let records = s.records();
+    assert_eq!(records.len(), 3);
+    assert!(records[1].deduplicated && !records[0].deduplicated);
+    assert_eq!(s.stats().deduplicated, 1);
+    s.stop().await;
+
+    // Outside the window the same id is a fresh message.
+    let s = Sink::start(SinkConfig {
+        dedup_window: Duration::ZERO,
+        ..SinkConfig::default()
+    })
+    .await
+    .unwrap();
+    assert_eq!(publish(&s, 1, "dup-1").await.status(), 200);
+    assert_eq!(publish(&s, 1, "dup-1").await.status(), 200);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn content_based_deduplication() {
+    let s = sink(FaultConfig::default()).await;
+    let auth = bearer(DEV_TOKEN);
+    let send = |body: &'static str| {
+        let auth = auth.clone();
+        let addr = s.addr();
+        async move {
+            post(
+                addr,
+                &format!("/v2/publish/{DEST}"),
+                &[
+                    ("authorization", &auth),
+                    ("upstash-content-based-deduplication", "true"),
+                ],
+                body,
+                T,
+            )
+            .await
+        }
+    };
+    assert_eq!(send(r#"{"a":1}"#).await.status(), 200);
+    assert_eq!(send(r#"{"a":1}"#).await.status(), 202);
+    assert_eq!(send(r#"{"a":2}"#).await.status(), 200);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn batch_answers_per_element_and_a_poison_element_fails_alone() {
+    let s = sink(FaultConfig::default()).await;
+    let auth = bearer(DEV_TOKEN);
+    let batch = json!([
+        {"destination": DEST, "headers": {"upstash-deduplication-id": "b-1", "upstash-forward-x-outbox-id": "11", "content-type": "application/json"}, "body": envelope(11, "k-a")},
+        {"destination": DEST, "headers": {"upstash-deduplication-id": "b-2", "upstash-forward-x-outbox-id": "12"}, "body": json!({"id": 12, "payload": {"poison": true}}).to_string()},
+        {"destination": DEST, "headers": {"Upstash-Deduplication-Id": "b-3"}, "body": envelope(13, "k-b"), "queue": "q1"},
+        {"destination": DEST, "headers": {"upstash-deduplication-id": "b-1", "upstash-forward-x-outbox-id": "11"}, "body": envelope(11, "k-a")}
+    ]);
+    let a = post(
+        s.addr(),
+        "/v2/batch",
+        &[
+            ("authorization", &auth),
+            ("content-type", "application/json"),
+        ],
+        batch.to_string(),
+        T,
+    )
+    .await;
+    assert_eq!(a.status(), 200);
+    let el = a.body().as_array().unwrap();
+    assert_eq!(el.len(), 4);
+    assert!(el[0]["messageId"].as_str().unwrap().starts_with("msg_"));
+    assert_eq!(el[0]["url"], DEST);
+    assert_eq!(el[1]["status"], 400);
+    assert!(el[1]["error"].as_str().unwrap().contains("poison event 12"));
+    assert_eq!(el[2]["deduplicated"], false);
+    assert_eq!(el[3]["deduplicated"], true);
+    assert_eq!(el[3]["messageId"], el[0]["messageId"]);
+
+    let records = s.records();
+    assert_eq!(records.len(), 3);
+    assert!(records.iter().all(|r| r.via_batch));
+    assert_eq!(records[0].partition_key.as_deref(), Some("k-a"));
+    assert_eq!(records[1].outbox_id, Some(13), "body id when no header");
+    assert_eq!(
+        records[1].dedup_id.as_deref(),
+        Some("b-3"),
+        "header names are case-insensitive"
+    );
+    assert_eq!(s.stats().poison_rejected, 1);
+
+    let bad = post(
+        s.addr(),
+        "/v2/batch",
+        &[("authorization", &auth)],
+        "{\"not\":\"an array\"}",
+        T,
+    )
+    .await;
+    assert_eq!(bad.status(), 400);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn requests_without_the_token_get_401() {
+    let s = sink(FaultConfig::default()).await;
+    let path = format!("/v2/publish/{DEST}");
+    let none = post(s.addr(), &path, &[], "{}", T).await;
+    assert_eq!(none.status(), 401);
+    assert!(none.body()["error"].is_string());
+    let wrong = post(
+        s.addr(),
+        &path,
+        &[("authorization", "Bearer nope")],
+        "{}",
+        T,
+    )
+    .await;
+    assert_eq!(wrong.status(), 401);
+    let batch = post(s.addr(), "/v2/batch", &[], "[]", T).await;
+    assert_eq!(batch.status(), 401);
+    let query = post(
+        s.addr(),
+        &format!("{path}?qstash_token={}", DEV_TOKEN.replace('=', "%3D")),
+        &[],
+        "{}",
+        T,
+    )
+    .await;
+    assert_eq!(query.status(), 200);
+    assert_eq!(
+        query.body()["url"],
+        DEST,
+        "qstash_token is not part of the destination"
+    );
+    assert_eq!(s.stats().unauthorized, 3);
+    assert_eq!(s.records().len(), 1);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn poison_is_rejected_with_400_by_marker_or_by_id_and_never_recorded() {
+    let s = sink(FaultConfig {
+        poison_ids: [5].into(),
+        ..FaultConfig::default()
+    })
+    .await;
+    assert_eq!(publish(&s, 5, "p-5").await.status(), 400);
+    let auth = bearer(DEV_TOKEN);
+    let marked = post(
+        s.addr(),
+        &format!("/v2/publish/{DEST}"),
+        &[
+            ("authorization", &auth),
+            ("upstash-forward-x-outbox-id", "6"),
+        ],
+        json!({"id": 6, "payload": {"poison": true}}).to_string(),
+        T,
+    )
+    .await;
+    assert_eq!(marked.status(), 400);
+    assert!(marked.body()["error"].as_str().unwrap().contains('6'));
+    assert_eq!(publish(&s, 7, "p-7").await.status(), 200);
+    let records = s.records();
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0].outbox_id, Some(7));
+    // A poison message never enters the dedup window: a retry is rejected again.
+    assert_eq!(publish(&s, 5, "p-5").await.status(), 400);
+    assert_eq!(s.stats().poison_rejected, 3);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn injected_server_errors_and_rate_limits() {
+    let s = sink(FaultConfig {
+        server_error: 1.0,
+        ..FaultConfig::default()
+    })
+    .await;
+    let a = publish(&s, 1, "e-1").await;
+    assert_eq!(a.status(), 503);
+    assert!(a.body()["error"].is_string());
+    s.set_faults(FaultConfig {
+        rate_limited: 1.0,
+        retry_after: Duration::from_secs(7),
+        ..FaultConfig::default()
+    })
+    .unwrap();
+    let a = publish(&s, 1, "e-1").await;
+    assert_eq!(a.status(), 429);
+    assert_eq!(a.header("retry-after").as_deref(), Some("7"));
+    assert!(s.records().is_empty());
+    s.set_faults(FaultConfig::default()).unwrap();
+    assert_eq!(
+        publish(&s, 1, "e-1").await.status(),
+        200,
+        "a rejected message is not in the dedup window"
+    );
+    let st = s.stats();
+    assert_eq!((st.server_errors, st.rate_limited, st.accepted), (1, 1, 1));
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn element_errors_fail_messages_not_requests() {
+    let s = sink(FaultConfig {
+        element_error: 1.0,
+        ..FaultConfig::default()
+    })
+    .await;
+    assert_eq!(publish(&s, 1, "x-1").await.status(), 503);
+    let auth = bearer(DEV_TOKEN);
+    let batch = json!([{"destination": DEST, "body": "{}"}, {"destination": DEST, "body": "{}"}]);
+    let a = post(
+        s.addr(),
+        "/v2/batch",
+        &[("authorization", &auth)],
+        batch.to_string(),
+        T,
+    )
+    .await;
+    assert_eq!(a.status(), 200);
+    for el in a.body().as_array().unwrap() {
+        assert_eq!(el["status"], 503);
+        assert!(el["error"].is_string());
+    }
+    assert_eq!(s.stats().element_errors, 3);
+    assert!(s.records().is_empty());
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn a_reset_drops_the_connection_without_an_answer() {
+    let s = sink(FaultConfig {
+        reset: 1.0,
+        ..FaultConfig::default()
+    })
+    .await;
+    match publish(&s, 1, "r-1").await {
+        Answer::ConnectionError(_) => {}
+        other => panic!("expected a connection error, got {other:?}"),
+    }
+    assert!(s.records().is_empty());
+    assert_eq!(s.stats().resets, 1);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn a_lost_response_is_recorded_but_never_answered() {
+    let s = sink(FaultConfig {
+        lost_response: 1.0,
+        ..FaultConfig::default()
+    })
+    .await;
+    assert!(matches!(
+        publish(&s, 1, "l-1").await,
+        Answer::ConnectionError(_)
+    ));
+    s.set_faults(FaultConfig::default()).unwrap();
+    // The relay retries: a duplicate, collapsed by the deduplication id.
+    let again = publish(&s, 1, "l-1").await;
+    assert_eq!(again.status(), 202);
+    let records = s.records();
+    assert_eq!(records.len(), 2);
+    assert_eq!(records[0].message_id, records[1].message_id);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn a_hung_request_outlives_the_client_timeout() {
+    let s = sink(FaultConfig {
+        hang: 1.0,
+        hang_for: Duration::from_secs(120),
+        ..FaultConfig::default()
+    })
+    .await;
+    let auth = bearer(DEV_TOKEN);
+    let a = post(
+        s.addr(),
+        &format!("/v2/publish/{DEST}"),
+        &[("authorization", &auth)],
+        "{}",
+        Duration::from_millis(300),
+    )
+    .await;
+    assert!(matches!(a, Answer::TimedOut), "{a:?}");
+    assert_eq!(s.stats().hangs, 1);
+    assert!(s.records().is_empty());
+    // Stopping releases the hung handler at once (bounded by the test's own timeout).
+    tokio::time::timeout(T, s.stop())
+        .await
+        .expect("stop is prompt");
+}
+
+#[tokio::test]
+async fn latency_delays_every_answer() {
+    let latency = Duration::from_millis(150);
+    let s = sink(FaultConfig {
+        latency,
+        jitter: Duration::from_millis(20),
+        ..FaultConfig::default()
+    })
+    .await;
+    let started = std::time::Instant::now();
+    assert_eq!(publish(&s, 1, "d-1").await.status(), 200);
+    assert!(started.elapsed() >= latency);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn delivery_mode_forwards_signed_like_qstash() {
+    // The destination answers 500 once, then 200: the second attempt is `Upstash-Retried: 1`.
+    let mut receiver = Receiver::start(vec![500]).await;
+    let s = Sink::start(SinkConfig {
+        delivery: Some(DeliveryConfig::default()),
+        ..SinkConfig::default()
+    })
+    .await
+    .unwrap();
+    let destination = format!("http://{}/hook?x=1", receiver.addr);
+    let auth = bearer(DEV_TOKEN);
+    let body = r#"{"id":3,"payload":{"orderId":"o-3"}}"#;
+    let a = post(
+        s.addr(),
+        &format!("/v2/publish/{destination}"),
+        &[
+            ("authorization", &auth),
+            ("content-type", "application/json"),
+            ("upstash-method", "PUT"),
+            ("upstash-forward-x-outbox-id", "3"),
+            ("upstash-forward-x-custom", "v"),
+            ("upstash-deduplication-id", "k-3"),
+        ],
+        body,
+        T,
+    )
+    .await;
+    assert_eq!(a.status(), 200);
+    let message_id = a.body()["messageId"].as_str().unwrap().to_owned();
+
+    for retried in 0..2 {
+        let got = receiver.next(T).await.expect("a delivery attempt");
+        assert_eq!(got.method, http::Method::PUT);
+        assert_eq!(got.uri.path(), "/hook");
+        assert_eq!(got.uri.query(), Some("x=1"));
+        assert_eq!(got.body.as_ref(), body.as_bytes());
+        let h = |n: &str| got.headers.get(n).map(|v| v.to_str().unwrap().to_owned());
+        assert_eq!(h("x-outbox-id").as_deref(), Some("3"));
+        assert_eq!(h("x-custom").as_deref(), Some("v"));
+        assert_eq!(h("content-type").as_deref(), Some("application/json"));
+        assert_eq!(h("upstash-message-id"), Some(message_id.clone()));
+        assert_eq!(h("upstash-retried"), Some(retried.to_string()));
+        assert_eq!(h("user-agent").as_deref(), Some("Upstash-QStash"));
+        assert!(h("upstash-forward-x-custom").is_none());
+        assert!(h("upstash-deduplication-id").is_none());
+
+        let jwt = h("upstash-signature").expect("signed");
+        let mut validation = Validation::new(Algorithm::HS256);
+        validation.set_issuer(&["Upstash"]);
+        validation.set_required_spec_claims(&["iss", "sub", "exp", "nbf"]);
+        let claims = jsonwebtoken::decode::<SignatureClaims>(
+            &jwt,
+            &DecodingKey::from_secret(DEV_CURRENT_SIGNING_KEY.as_bytes()),
+            &validation,
+        )
+        .expect("verifies with the dev current key")
+        .claims;
+        assert_eq!(claims.sub, destination);
+        assert_eq!(claims.nbf, 0);
+        assert_eq!(claims.exp, claims.iat + 300);
+        assert!(claims.jti.starts_with("jwt_"));
+        assert_eq!(claims.body, body_hash(body.as_bytes()));
+        // A wrong key fails.
+        assert!(jsonwebtoken::decode::<SignatureClaims>(
+            &jwt,
+            &DecodingKey::from_secret(b"sig_wrong"),
+            &validation
+        )
+        .is_err());
+    }
+    assert!(s.wait_for_deliveries(1, T).await);
+    let outcome = &s.deliveries()[0];
+    assert!(outcome.delivered);
+    assert_eq!((outcome.attempts, outcome.last_status), (2, Some(200)));
+
+    // A duplicate is accepted but not delivered again.
+    let dup = post(
+        s.addr(),
+        &format!("/v2/publish/{destination}"),
+        &[
+            ("authorization", &auth),
+            ("upstash-deduplication-id", "k-3"),
+        ],
+        body,
+        T,
+    )
+    .await;
+    assert_eq!(dup.status(), 202);
+
+    // Delivery mode refuses destinations off the loopback (nothing is sent).
+    let refused = post(
+        s.addr(),
+        "/v2/publish/http://192.0.2.1/hook",
+        &[("authorization", &auth)],
+        "{}",
+        T,
+    )
+    .await;
+    assert_eq!(refused.status(), 400);
+    assert!(refused.body()["error"]
+        .as_str()
+        .unwrap()
+        .contains("loopback"));
+    s.stop().await;
+    assert!(
+        receiver.next(Duration::from_millis(100)).await.is_none(),
+        "no second delivery of the duplicate"
+    );
+}

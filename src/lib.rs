@@ -12,9 +12,11 @@
 //!
 //! Consumers use [`consumer`] to verify signatures and handle each event once.
 
+pub mod cli;
 pub mod config;
 pub mod daemon;
 pub mod db;
+pub mod ops;
 pub mod producer;
 pub mod routes;
 pub mod sink;

@@ -959,3 +959,46 @@ async fn partitioning_refuses_a_non_empty_or_partitioned_outbox() {
     let err = partitions::init(&mut client, 1).await.unwrap_err();
     assert!(err.to_string().contains("already partitioned"), "{err}");
 }
+
+#[tokio::test]
+async fn the_published_at_index_serves_the_throughput_series_and_retention() {
+    let db = TestDb::new().await.unwrap();
+    let client = db.client().await.unwrap();
+    // Enough published history that reading it all would be the planner's worst choice.
+    client
+        .batch_execute(
+            "INSERT INTO outbox (tenant_id, aggregate_type, aggregate_id, event_type, payload,
+                                 idempotency_key, created_at, published_at)
+             SELECT gen_random_uuid(), 'order', g::text, 'order.placed', '{}', 'k' || g,
+                    now() - g * interval '10 seconds', now() - g * interval '10 seconds'
+             FROM generate_series(1, 20000) g;
+             ANALYZE outbox;",
+        )
+        .await
+        .unwrap();
+    let plan = |sql: &'static str| {
+        let client = &client;
+        async move {
+            client
+                .query(&format!("EXPLAIN (COSTS OFF) {sql}"), &[])
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get::<_, String>(0))
+                .collect::<Vec<_>>()
+                .join("\n")
+        }
+    };
+    let series = plan(
+        "SELECT date_trunc('minute', published_at), count(*) FROM outbox
+         WHERE published_at >= date_trunc('minute', now()) - interval '59 minutes' GROUP BY 1",
+    )
+    .await;
+    assert!(series.contains("outbox_published_at_idx"), "{series}");
+    let retention = plan(
+        "SELECT id FROM outbox WHERE published_at < now() - interval '1 day'
+           AND dead_lettered_at IS NULL ORDER BY published_at LIMIT 5000",
+    )
+    .await;
+    assert!(retention.contains("outbox_published_at_idx"), "{retention}");
+}

@@ -1002,3 +1002,72 @@ async fn the_published_at_index_serves_the_throughput_series_and_retention() {
     .await;
     assert!(retention.contains("outbox_published_at_idx"), "{retention}");
 }
+
+/// The optional script rebuilds the outbox from scratch: it must stay in step
+/// with every migration that changes the outbox, or `partitions init` would
+/// silently drop a column or an index the relay needs.
+#[tokio::test]
+async fn the_partitioned_outbox_has_every_column_and_index_of_the_migrated_one() {
+    const COLUMNS: &str = "SELECT column_name || ' ' || data_type || ' ' || is_nullable || ' ' || coalesce(column_default, '') || ' ' || is_identity
+        FROM information_schema.columns WHERE table_schema = 'public' AND table_name = 'outbox' ORDER BY ordinal_position";
+    // Index names and their definitions without the ON clause (ONLY / not).
+    const INDEXES: &str = "SELECT indexname || ': ' || regexp_replace(indexdef, '^.* USING ', '')
+        FROM pg_indexes WHERE schemaname = 'public' AND tablename = 'outbox' ORDER BY 1";
+    const TRIGGERS: &str = "SELECT tgname::text FROM pg_trigger
+        WHERE tgrelid = 'outbox'::regclass AND NOT tgisinternal ORDER BY 1";
+    let db = TestDb::new().await.unwrap();
+    let mut client = db.client().await.unwrap();
+    let strings = |sql: &'static str| {
+        let client = &client;
+        async move {
+            client
+                .query(sql, &[])
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get::<_, String>(0))
+                .collect::<Vec<_>>()
+        }
+    };
+    let (columns, indexes, triggers) = (
+        strings(COLUMNS).await,
+        strings(INDEXES).await,
+        strings(TRIGGERS).await,
+    );
+    assert_eq!(columns.len(), 16, "{columns:?}");
+    assert!(indexes.len() >= 7, "{indexes:?}");
+    assert_eq!(triggers.len(), 2, "{triggers:?}");
+    partitions::init(&mut client, 0).await.unwrap();
+    let strings = |sql: &'static str| {
+        let client = &client;
+        async move {
+            client
+                .query(sql, &[])
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get::<_, String>(0))
+                .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(strings(COLUMNS).await, columns);
+    let partitioned_indexes = strings(INDEXES).await;
+    for index in &indexes {
+        let expected = match index.split(':').next().unwrap() {
+            // The two constraints partitioning must change (docs/partitioning.md).
+            "outbox_pkey" => "outbox_pkey: btree (id, created_at)".to_owned(),
+            "outbox_idempotency_key_key" => {
+                "outbox_idempotency_key_idx: btree (idempotency_key)".to_owned()
+            }
+            _ => index.clone(),
+        };
+        assert!(
+            partitioned_indexes.contains(&expected),
+            "{expected} missing from the partitioned outbox: {partitioned_indexes:?}"
+        );
+    }
+    let partitioned_triggers = strings(TRIGGERS).await;
+    for trigger in &triggers {
+        assert!(partitioned_triggers.contains(trigger), "{trigger}");
+    }
+}

@@ -81,7 +81,7 @@ fn render_tables(report: &Stats) -> String {
             s.stuck_leases.to_string(),
             s.outbox_dead_tuples.to_string(),
         ]);
-    right_align(&mut gauges, 6);
+    right_align(&mut gauges, 0..6);
 
     let per_minute: Vec<i64> = report
         .published_per_minute
@@ -109,7 +109,7 @@ fn render_tables(report: &Stats) -> String {
             t.published_last_hour.to_string(),
         ]);
     }
-    right_align(&mut types, 5);
+    right_align(&mut types, 1..5);
 
     let mut out = format!(
         "outbox at {}\n{gauges}\n\npublished in the last hour: {total} (last full minute {last_full}/min, peak {peak}/min)\n{}\n",
@@ -124,8 +124,8 @@ fn render_tables(report: &Stats) -> String {
     out
 }
 
-fn right_align(table: &mut Table, columns: usize) {
-    for i in 1..columns {
+fn right_align(table: &mut Table, columns: std::ops::Range<usize>) {
+    for i in columns {
         if let Some(c) = table.column_mut(i) {
             c.set_cell_alignment(CellAlignment::Right);
         }

@@ -57,6 +57,12 @@ pub async fn run_until_signal(config: Config) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("server.callback_bind {addr}: {e}"))?;
         tracing::info!(%local, "serving POST /qstash/failure");
     }
+    let janitor = tokio::spawn({
+        let mut rx = stop_rx.clone();
+        crate::ops::prune::run_janitor(relay.pool().clone(), config.janitor.clone(), async move {
+            let _ = rx.changed().await;
+        })
+    });
     tracing::info!("outbox-relay running");
 
     let signals = Signals::new()?;
@@ -79,6 +85,7 @@ pub async fn run_until_signal(config: Config) -> anyhow::Result<()> {
     };
     let _ = stop_tx.send(true);
     sampler.abort();
+    let _ = janitor.await;
     tracing::info!(
         published = report.counters.published,
         retried = report.counters.retried,

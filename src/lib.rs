@@ -20,6 +20,7 @@ pub mod consumer;
 pub mod daemon;
 pub mod db;
 pub mod metrics;
+pub mod ops;
 pub mod producer;
 pub mod relay;
 pub mod routes;

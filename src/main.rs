@@ -71,6 +71,13 @@ enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// Backlog, lag, dead letters, throughput per minute and per event type.
+    Stats(outbox_relay::cli::stats::StatsArgs),
+    /// Delete old published outbox rows (and processed_messages) in small batches.
+    Prune(outbox_relay::cli::prune::PruneArgs),
+    /// Run a partitioned outbox: set it up, create partitions ahead, drop old ones.
+    #[command(subcommand)]
+    Partitions(outbox_relay::cli::prune::PartitionsCommand),
 }
 
 fn init_tracing(format: LogFormat) {
@@ -166,5 +173,14 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             let config = Config::load(config.as_deref())?;
             outbox_relay::cli::dlq::run(cmd, &config).await
         }
+        Command::Stats(args) => outbox_relay::cli::stats::run(args)
+            .await
+            .map(|()| ExitCode::SUCCESS),
+        Command::Prune(args) => outbox_relay::cli::prune::run_prune(args)
+            .await
+            .map(|()| ExitCode::SUCCESS),
+        Command::Partitions(command) => outbox_relay::cli::prune::run_partitions(command)
+            .await
+            .map(|()| ExitCode::SUCCESS),
     }
 }

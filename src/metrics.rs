@@ -2,21 +2,27 @@
 
 use std::time::Duration;
 
-use metrics::{counter, describe_counter, describe_gauge, describe_histogram, histogram, Unit};
+use metrics::{
+    counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit,
+};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use crate::sink::{Response, TransportError};
 
-pub const PUBLISHED: &str = "outbox_relay_events_published_total";
-pub const RETRIED: &str = "outbox_relay_events_retried_total";
-pub const DEAD_LETTERED: &str = "outbox_relay_events_dead_lettered_total";
-pub const CLAIMS: &str = "outbox_relay_claims_total";
-pub const ACTOR_RESTARTS: &str = "outbox_relay_actor_restarts_total";
-pub const MARKS_FENCED: &str = "outbox_relay_marks_fenced_total";
-pub const IN_FLIGHT: &str = "outbox_relay_in_flight";
-pub const PUBLISH_DURATION: &str = "outbox_relay_publish_duration_seconds";
-pub const BATCH_SIZE: &str = "outbox_relay_batch_size";
-pub const COMMIT_TO_ACK: &str = "outbox_relay_commit_to_ack_seconds";
+use crate::ops::metric_names as names;
+use crate::ops::stats::Snapshot;
+
+// Short names for the hot path; the list of record is `ops::metric_names`.
+pub const PUBLISHED: &str = names::EVENTS_PUBLISHED_TOTAL;
+pub const RETRIED: &str = names::EVENTS_RETRIED_TOTAL;
+pub const DEAD_LETTERED: &str = names::EVENTS_DEAD_LETTERED_TOTAL;
+pub const CLAIMS: &str = names::CLAIMS_TOTAL;
+pub const ACTOR_RESTARTS: &str = names::ACTOR_RESTARTS_TOTAL;
+pub const MARKS_FENCED: &str = names::MARKS_FENCED_TOTAL;
+pub const IN_FLIGHT: &str = names::IN_FLIGHT;
+pub const PUBLISH_DURATION: &str = names::PUBLISH_DURATION_SECONDS;
+pub const BATCH_SIZE: &str = names::BATCH_SIZE;
+pub const COMMIT_TO_ACK: &str = names::COMMIT_TO_ACK_SECONDS;
 
 /// Milliseconds to minutes.
 const SECONDS_BUCKETS: &[f64] = &[
@@ -51,6 +57,25 @@ fn describe() {
         "Outcomes not written because the lease was lost"
     );
     describe_gauge!(IN_FLIGHT, "Rows claimed and not yet marked");
+    describe_gauge!(
+        names::BACKLOG,
+        "Pending rows (not published, not dead-lettered)"
+    );
+    describe_gauge!(
+        names::OLDEST_PENDING_AGE_SECONDS,
+        Unit::Seconds,
+        "Age of the oldest pending row"
+    );
+    describe_gauge!(names::DEAD_LETTERS, "Dead-lettered rows in the outbox");
+    describe_gauge!(
+        names::FLAPPING,
+        "Pending rows that failed more than three attempts"
+    );
+    describe_gauge!(
+        names::STUCK_LEASES,
+        "Pending rows whose lease ran out without a mark"
+    );
+    describe_gauge!(names::OUTBOX_DEAD_TUPLES, "Dead tuples in the outbox table");
     describe_histogram!(
         PUBLISH_DURATION,
         Unit::Seconds,
@@ -79,4 +104,14 @@ pub fn record_commit_to_ack(age: Duration) {
 
 pub fn count_actor_restart(actor: &'static str) {
     counter!(ACTOR_RESTARTS, "actor" => actor).increment(1);
+}
+
+/// Sets the gauges sampled from the database.
+pub fn record_snapshot(s: &Snapshot) {
+    gauge!(names::BACKLOG).set(s.backlog as f64);
+    gauge!(names::OLDEST_PENDING_AGE_SECONDS).set(s.oldest_pending_age_seconds);
+    gauge!(names::DEAD_LETTERS).set(s.dead_letters as f64);
+    gauge!(names::FLAPPING).set(s.flapping as f64);
+    gauge!(names::STUCK_LEASES).set(s.stuck_leases as f64);
+    gauge!(names::OUTBOX_DEAD_TUPLES).set(s.outbox_dead_tuples as f64);
 }

@@ -160,7 +160,7 @@ const INSERT_ONE: &str = "INSERT INTO outbox
     (tenant_id, aggregate_type, aggregate_id, event_type, payload, headers,
      idempotency_key, partition_key, available_at)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, coalesce($9, now()))
-ON CONFLICT (idempotency_key) DO NOTHING
+ON CONFLICT DO NOTHING
 RETURNING id";
 
 const INSERT_ONE_TYPES: &[Type] = &[
@@ -201,15 +201,19 @@ pub async fn enqueue(tx: &Transaction<'_>, event: &NewEvent) -> Result<Enqueued,
     })
 }
 
-// `WITH ORDINALITY` keeps the input position, so results map back to inputs
-// even when some keys were duplicates.
+// `ON CONFLICT DO NOTHING` without a target: the same as naming
+// `(idempotency_key)` on the plain outbox (the identity id never conflicts),
+// and it also works on the partitioned outbox (docs/partitioning.md), whose
+// key uniqueness is kept by a trigger.
+// Results map back to inputs by idempotency key, so duplicates are reported
+// in place.
 const INSERT_MANY: &str = "INSERT INTO outbox
     (tenant_id, aggregate_type, aggregate_id, event_type, payload, headers,
      idempotency_key, partition_key, available_at)
 SELECT t, at, ai, et, p, h, k, pk, coalesce(av, now())
 FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::jsonb[], $6::jsonb[],
             $7::text[], $8::text[], $9::timestamptz[]) AS u(t, at, ai, et, p, h, k, pk, av)
-ON CONFLICT (idempotency_key) DO NOTHING
+ON CONFLICT DO NOTHING
 RETURNING id, idempotency_key";
 
 /// Writes many events in one round trip inside the caller's transaction.

@@ -31,13 +31,13 @@ async fn migrations_apply_once_and_are_a_no_op_after() {
     let db = TestDb::empty().await.unwrap();
     let mut client = db.client().await.unwrap();
     let first = migrate::run(&mut client).await.unwrap();
-    assert_eq!(first.applied, vec![1, 2]);
+    assert_eq!(first.applied, vec![1, 2, 3]);
     let schema_before: Vec<String> = client
         .query("SELECT table_name || '.' || column_name || ':' || data_type FROM information_schema.columns WHERE table_schema = 'public' ORDER BY 1", &[])
         .await.unwrap().iter().map(|r| r.get(0)).collect();
     let second = migrate::run(&mut client).await.unwrap();
     assert_eq!(second.applied, Vec::<i32>::new());
-    assert_eq!(second.already, 2);
+    assert_eq!(second.already, 3);
     let schema_after: Vec<String> = client
         .query("SELECT table_name || '.' || column_name || ':' || data_type FROM information_schema.columns WHERE table_schema = 'public' ORDER BY 1", &[])
         .await.unwrap().iter().map(|r| r.get(0)).collect();
@@ -88,7 +88,7 @@ async fn migrate_from_two_processes_at_once() {
     let client = db.client().await.unwrap();
     assert_eq!(
         count(&client, "SELECT count(*) FROM outbox_relay_migrations").await,
-        2
+        3
     );
 }
 
@@ -372,7 +372,7 @@ fn the_binary_stops_at_start_naming_the_bad_key() {
 
     let out = Command::new(BIN)
         .args(["check-config"])
-        .env("OUTBOX_RELAY_RELAY__SHARDS", "7")
+        .env("OUTBOX_RELAY_RELAY__SHARDS", "6")
         .env("QSTASH_TOKEN", "secret-token-value")
         .env("DATABASE_URL", "postgres://u:pw@db.example/x")
         .output()
@@ -383,7 +383,7 @@ fn the_binary_stops_at_start_naming_the_bad_key() {
         String::from_utf8_lossy(&out.stderr)
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.contains("\"shards\": 7"), "{stdout}");
+    assert!(stdout.contains("\"shards\": 6"), "{stdout}");
     assert!(
         !stdout.contains("secret-token-value") && !stdout.contains(":pw@"),
         "{stdout}"

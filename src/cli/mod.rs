@@ -1,1 +1,6 @@
+//! The operator commands behind the `outbox-relay` binary: arguments (clap)
+//! and rendering live here, the work in the library modules they call.
+
 pub mod dlq;
+pub mod prune;
+pub mod stats;

@@ -20,6 +20,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "processed_messages",
         sql: include_str!("../../migrations/0002_processed_messages.sql"),
     },
+    Migration {
+        version: 3,
+        name: "ops",
+        sql: include_str!("../../migrations/0003_ops.sql"),
+    },
 ];
 
 /// Arbitrary, fixed: "outbox-relay migrate" as an advisory lock key.

@@ -95,12 +95,8 @@ pub async fn serve(
     Ok((local, task))
 }
 
-const OLDEST_PENDING_SQL: &str =
-    "SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8
-FROM outbox WHERE published_at IS NULL AND dead_lettered_at IS NULL";
-
-/// Every `interval`: is the database reachable, and is delivery moving? Not
-/// ready when the oldest pending row is older than `max_pending_age` and
+/// Every `interval`: samples the backlog gauges (one query), and decides
+/// readiness: is the database reachable, and is delivery moving? Not ready when the oldest pending row is older than `max_pending_age` and
 /// nothing was delivered since the previous check.
 pub async fn sample_forever(
     pool: db::Pool,
@@ -118,15 +114,16 @@ pub async fn sample_forever(
         last_delivered = now_delivered;
         let sampled = tokio::time::timeout(interval.max(Duration::from_secs(2)), async {
             let client = pool.get().await.map_err(db::DbError::from)?;
-            let row = client
-                .query_one(OLDEST_PENDING_SQL, &[])
+            let snapshot = crate::ops::stats::snapshot(&*client)
                 .await
                 .map_err(db::DbError::from)?;
-            Ok::<f64, db::DbError>(row.get(0))
+            Ok::<_, db::DbError>(snapshot)
         })
         .await;
         let next = match sampled {
-            Ok(Ok(age)) => {
+            Ok(Ok(snapshot)) => {
+                crate::metrics::record_snapshot(&snapshot);
+                let age = snapshot.oldest_pending_age_seconds;
                 let stalled = age > max_pending_age.as_secs_f64() && progress == 0;
                 Readiness {
                     ready: !stalled,

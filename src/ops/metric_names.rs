@@ -1,0 +1,73 @@
+//! The names of every metric the relay exports. Dashboards, alert rules and
+//! the exporter all use this list; `tests/ops_config.rs` checks that the
+//! dashboards and alerts in `config/` name nothing else.
+
+/// Counters (`_total`), gauges and histograms, in that order.
+pub const METRIC_NAMES: &[&str] = &[
+    EVENTS_PUBLISHED_TOTAL,
+    EVENTS_RETRIED_TOTAL,
+    EVENTS_DEAD_LETTERED_TOTAL,
+    CLAIMS_TOTAL,
+    ACTOR_RESTARTS_TOTAL,
+    MARKS_FENCED_TOTAL,
+    BACKLOG,
+    OLDEST_PENDING_AGE_SECONDS,
+    DEAD_LETTERS,
+    FLAPPING,
+    STUCK_LEASES,
+    OUTBOX_DEAD_TUPLES,
+    IN_FLIGHT,
+    PUBLISH_DURATION_SECONDS,
+    BATCH_SIZE,
+    COMMIT_TO_ACK_SECONDS,
+];
+
+/// The histograms among [`METRIC_NAMES`]: Prometheus exposes each as
+/// `_bucket`, `_sum` and `_count` series.
+pub const HISTOGRAMS: &[&str] = &[PUBLISH_DURATION_SECONDS, BATCH_SIZE, COMMIT_TO_ACK_SECONDS];
+
+/// Counter, labels `route`.
+pub const EVENTS_PUBLISHED_TOTAL: &str = "outbox_relay_events_published_total";
+/// Counter, labels `route`, `reason`.
+pub const EVENTS_RETRIED_TOTAL: &str = "outbox_relay_events_retried_total";
+/// Counter, labels `route`, `reason`.
+pub const EVENTS_DEAD_LETTERED_TOTAL: &str = "outbox_relay_events_dead_lettered_total";
+/// Counter: claim statements run.
+pub const CLAIMS_TOTAL: &str = "outbox_relay_claims_total";
+/// Counter, label `actor`.
+pub const ACTOR_RESTARTS_TOTAL: &str = "outbox_relay_actor_restarts_total";
+/// Counter: outcomes the database refused because the row's lease had moved
+/// on to a newer claim (fencing at work).
+pub const MARKS_FENCED_TOTAL: &str = "outbox_relay_marks_fenced_total";
+/// Gauge: pending rows (not published, not dead-lettered).
+pub const BACKLOG: &str = "outbox_relay_backlog";
+/// Gauge: age of the oldest pending row; the number to alert on.
+pub const OLDEST_PENDING_AGE_SECONDS: &str = "outbox_relay_oldest_pending_age_seconds";
+/// Gauge: dead-lettered rows in the outbox.
+pub const DEAD_LETTERS: &str = "outbox_relay_dead_letters";
+/// Gauge: pending rows that failed more than three attempts.
+pub const FLAPPING: &str = "outbox_relay_flapping";
+/// Gauge: pending rows whose lease ran out without a mark or a new claim.
+pub const STUCK_LEASES: &str = "outbox_relay_stuck_leases";
+/// Gauge: `n_dead_tup` of the outbox (all partitions summed).
+pub const OUTBOX_DEAD_TUPLES: &str = "outbox_relay_outbox_dead_tuples";
+/// Gauge: rows claimed and not yet marked, in this process.
+pub const IN_FLIGHT: &str = "outbox_relay_in_flight";
+/// Histogram: one publish request (a `/v2/batch` call counts once).
+pub const PUBLISH_DURATION_SECONDS: &str = "outbox_relay_publish_duration_seconds";
+/// Histogram: rows per claim.
+pub const BATCH_SIZE: &str = "outbox_relay_batch_size";
+/// Histogram: from the event's `created_at` to the destination's acceptance.
+pub const COMMIT_TO_ACK_SECONDS: &str = "outbox_relay_commit_to_ack_seconds";
+
+/// Is `series` (as written in PromQL) one of ours, allowing the histogram suffixes?
+pub fn is_known_series(series: &str) -> bool {
+    if METRIC_NAMES.contains(&series) {
+        return true;
+    }
+    ["_bucket", "_sum", "_count"].iter().any(|suffix| {
+        series
+            .strip_suffix(suffix)
+            .is_some_and(|base| HISTOGRAMS.contains(&base))
+    })
+}

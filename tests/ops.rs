@@ -1,0 +1,1094 @@
+//! Operations against a real PostgreSQL: stats, retention, the janitor,
+//! partitions, and the janitor's config keys.
+
+use std::collections::BTreeMap;
+use std::process::Command;
+use std::time::Duration;
+
+use chrono::{DateTime, Timelike, Utc};
+use outbox_relay::config::{Config, JanitorConfig};
+use outbox_relay::ops::partitions::{self, MaintainOptions, PartitionAction};
+use outbox_relay::ops::prune::{self, run_janitor, run_janitor_observed, PruneOptions};
+use outbox_relay::ops::stats::{self, snapshot};
+use outbox_relay::testkit::TestDb;
+use serde_json::Value;
+use tokio_postgres::Client;
+
+const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+/// A bound on waiting for something that should happen at once; never a sync point.
+const PATIENCE: Duration = Duration::from_secs(30);
+
+/// `n` pending rows of `event_type`, created (and available) `ago` seconds ago.
+async fn insert(client: &Client, n: i32, event_type: &str, ago: f64) -> Vec<i64> {
+    client
+        .query(
+            "INSERT INTO outbox (tenant_id, aggregate_type, aggregate_id, event_type, payload,
+                                 idempotency_key, created_at, available_at)
+             SELECT gen_random_uuid(), 'order', 'o-' || g, $1::text, '{}'::jsonb,
+                    $1::text || ':' || gen_random_uuid(),
+                    now() - make_interval(secs => $3::float8), now() - make_interval(secs => $3::float8)
+             FROM generate_series(1, $2::int4) AS g
+             RETURNING id",
+            &[&event_type, &n, &ago],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+async fn set(client: &Client, ids: &[i64], assignments: &str) {
+    // Test-only: the SET list is a literal of this file, never input.
+    let sql = format!("UPDATE outbox SET {assignments} WHERE id = ANY($1)");
+    let n = client.execute(&sql, &[&ids]).await.unwrap();
+    assert_eq!(n as usize, ids.len());
+}
+
+async fn count(client: &Client, sql: &str) -> i64 {
+    client.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+async fn ids(client: &Client, sql: &str) -> Vec<i64> {
+    client
+        .query(sql, &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+/// Flushes this backend's table statistics so other sessions see them now
+/// rather than within a second or so.
+async fn flush_stats(client: &Client) {
+    client
+        .batch_execute("SELECT pg_stat_force_next_flush()")
+        .await
+        .unwrap();
+    client.batch_execute("SELECT 1").await.unwrap();
+}
+
+/// Pending, flapping, stuck, leased, backing-off, published and dead rows.
+/// Returns the ids published within the last hour, for the per-minute check.
+async fn craft_mix(client: &Client) {
+    // order.placed: 5 pending (the oldest 10 minutes old), 4 published recently, 2 long ago.
+    let fresh = insert(client, 4, "order.placed", 5.0).await;
+    let oldest = insert(client, 1, "order.placed", 600.0).await;
+    assert_eq!(fresh.len() + oldest.len(), 5);
+    let recent = insert(client, 4, "order.placed", 3600.0).await;
+    set(
+        client,
+        &recent[..2],
+        "published_at = now() - interval '5 minutes'",
+    )
+    .await;
+    set(
+        client,
+        &recent[2..3],
+        "published_at = now() - interval '30 minutes'",
+    )
+    .await;
+    set(client, &recent[3..], "published_at = now()").await;
+    let old = insert(client, 2, "order.placed", 4.0 * 3600.0).await;
+    set(client, &old, "published_at = now() - interval '2 hours'").await;
+
+    // order.shipped: 7 pending in every lease state.
+    let flapping = insert(client, 2, "order.shipped", 60.0).await;
+    set(client, &flapping, "attempt_count = 5").await;
+    let stuck = insert(client, 3, "order.shipped", 120.0).await;
+    set(
+        client,
+        &stuck,
+        "attempt_count = 1, locked_until = now() - interval '1 minute'",
+    )
+    .await;
+    let leased = insert(client, 1, "order.shipped", 60.0).await;
+    set(
+        client,
+        &leased,
+        "attempt_count = 1, locked_until = now() + interval '1 minute'",
+    )
+    .await;
+    let backing_off = insert(client, 1, "order.shipped", 60.0).await;
+    set(
+        client,
+        &backing_off,
+        "attempt_count = 2, locked_until = now() - interval '1 minute', available_at = now() + interval '1 minute'",
+    )
+    .await;
+
+    // invoice.paid: 3 dead letters, one of them published first (QStash's failure callback).
+    let dead = insert(client, 3, "invoice.paid", 7200.0).await;
+    set(
+        client,
+        &dead,
+        "dead_lettered_at = now(), attempt_count = 10",
+    )
+    .await;
+    set(
+        client,
+        &dead[..1],
+        "published_at = now() - interval '2 hours'",
+    )
+    .await;
+}
+
+fn minute_index(window_start: DateTime<Utc>, t: DateTime<Utc>) -> Option<usize> {
+    let offset = (t - window_start).num_seconds();
+    if offset < 0 {
+        return None;
+    }
+    Some((offset / 60) as usize)
+}
+
+#[tokio::test]
+async fn stats_match_the_database_for_a_crafted_mix() {
+    let db = TestDb::new().await.unwrap();
+    let mut client = db.client().await.unwrap();
+    craft_mix(&client).await;
+    flush_stats(&client).await;
+
+    let snap = snapshot(&client).await.unwrap();
+    assert_eq!(snap.backlog, 12, "{snap:?}");
+    assert_eq!(snap.flapping, 2, "{snap:?}");
+    assert_eq!(snap.stuck_leases, 3, "{snap:?}");
+    assert_eq!(snap.dead_letters, 3, "{snap:?}");
+    assert!(
+        (600.0..660.0).contains(&snap.oldest_pending_age_seconds),
+        "{snap:?}"
+    );
+    let dead_tuples = count(
+        &client,
+        "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'outbox'",
+    )
+    .await;
+    assert!(dead_tuples > 0, "the UPDATEs left dead tuples");
+    assert_eq!(snap.outbox_dead_tuples, dead_tuples);
+
+    let report = stats::stats(&mut client).await.unwrap();
+    assert_eq!(report.snapshot.backlog, 12);
+    assert_eq!(report.published_per_minute.len(), stats::MINUTES);
+    // Expected buckets, computed here from the rows themselves.
+    let now = report.snapshot.sampled_at;
+    let window_start = report.published_per_minute[0].minute;
+    assert_eq!(
+        report.published_per_minute.last().unwrap().minute,
+        now.with_second(0).unwrap().with_nanosecond(0).unwrap(),
+        "the last bucket is the current minute"
+    );
+    let mut expected = vec![0i64; stats::MINUTES];
+    for row in client
+        .query(
+            "SELECT published_at FROM outbox WHERE published_at IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+    {
+        if let Some(i) = minute_index(window_start, row.get(0)) {
+            expected[i] += 1;
+        }
+    }
+    let got: Vec<i64> = report
+        .published_per_minute
+        .iter()
+        .map(|b| b.published)
+        .collect();
+    assert_eq!(got, expected);
+    assert_eq!(got.iter().sum::<i64>(), 4);
+
+    let by_type: BTreeMap<&str, _> = report
+        .event_types
+        .iter()
+        .map(|t| (t.event_type.as_str(), t))
+        .collect();
+    assert_eq!(
+        by_type.keys().copied().collect::<Vec<_>>(),
+        ["invoice.paid", "order.placed", "order.shipped"]
+    );
+    let placed = by_type["order.placed"];
+    assert_eq!(
+        (placed.pending, placed.dead, placed.published_last_hour),
+        (5, 0, 4)
+    );
+    assert!((600.0..660.0).contains(&placed.oldest_pending_age_seconds.unwrap()));
+    let shipped = by_type["order.shipped"];
+    assert_eq!(
+        (shipped.pending, shipped.dead, shipped.published_last_hour),
+        (7, 0, 0)
+    );
+    assert!((120.0..180.0).contains(&shipped.oldest_pending_age_seconds.unwrap()));
+    let paid = by_type["invoice.paid"];
+    assert_eq!(
+        (paid.pending, paid.dead, paid.published_last_hour),
+        (0, 3, 0)
+    );
+    assert_eq!(paid.oldest_pending_age_seconds, None);
+
+    // The binary says the same, as JSON.
+    let out = Command::new(BIN)
+        .args(["stats", "--json"])
+        .env("DATABASE_URL", &db.url)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let s = &json["snapshot"];
+    assert_eq!(s["backlog"], 12);
+    assert_eq!(s["flapping"], 2);
+    assert_eq!(s["stuck_leases"], 3);
+    assert_eq!(s["dead_letters"], 3);
+    assert!(s["outbox_dead_tuples"].as_i64().unwrap() > 0);
+    assert!(s["oldest_pending_age_seconds"].as_f64().unwrap() >= 600.0);
+    assert_eq!(json["published_per_minute"].as_array().unwrap().len(), 60);
+    assert_eq!(json["event_types"].as_array().unwrap().len(), 3);
+    assert_eq!(json["event_types"][2]["event_type"], "order.shipped");
+    assert_eq!(json["event_types"][2]["pending"], 7);
+
+    // ... and as tables for people.
+    let out = Command::new(BIN)
+        .args(["stats"])
+        .env("DATABASE_URL", &db.url)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    for needle in [
+        "backlog",
+        "stuck leases",
+        "order.shipped",
+        "published in the last hour: 4",
+    ] {
+        assert!(text.contains(needle), "{needle:?} missing from:\n{text}");
+    }
+}
+
+#[tokio::test]
+async fn an_empty_outbox_has_zero_everything() {
+    let db = TestDb::new().await.unwrap();
+    let mut client = db.client().await.unwrap();
+    let report = stats::stats(&mut client).await.unwrap();
+    let s = &report.snapshot;
+    assert_eq!(
+        (s.backlog, s.dead_letters, s.flapping, s.stuck_leases),
+        (0, 0, 0, 0)
+    );
+    assert_eq!(s.oldest_pending_age_seconds, 0.0);
+    assert!(report.event_types.is_empty());
+    assert!(report.published_per_minute.iter().all(|b| b.published == 0));
+}
+
+#[tokio::test]
+async fn stats_watch_prints_one_json_line_per_sample() {
+    let db = TestDb::new().await.unwrap();
+    let mut child = tokio::process::Command::new(BIN)
+        .args(["stats", "--json", "--watch", "1"])
+        .env("DATABASE_URL", &db.url)
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    use tokio::io::AsyncBufReadExt;
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    for _ in 0..2 {
+        let line = tokio::time::timeout(PATIENCE, lines.next_line())
+            .await
+            .expect("a sample every second")
+            .unwrap()
+            .expect("stats --watch ended early");
+        let json: Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(json["snapshot"]["backlog"], 0);
+    }
+    // Ctrl-C ends the watch cleanly.
+    let pid = nix::unistd::Pid::from_raw(child.id().unwrap() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
+    let status = tokio::time::timeout(PATIENCE, child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+}
+
+/// 12 old published, 3 recently published, 2 old pending, 2 old dead (one of
+/// them published before it died). Returns (old published, survivors).
+async fn craft_retention(client: &Client) -> (Vec<i64>, Vec<i64>) {
+    let day = 24.0 * 3600.0;
+    let old = insert(client, 12, "order.placed", 9.0 * day).await;
+    set(client, &old, "published_at = now() - interval '8 days'").await;
+    let recent = insert(client, 3, "order.placed", 9.0 * day).await;
+    set(client, &recent, "published_at = now() - interval '1 day'").await;
+    let pending = insert(client, 2, "order.placed", 30.0 * day).await;
+    let dead = insert(client, 2, "order.placed", 30.0 * day).await;
+    set(
+        client,
+        &dead,
+        "dead_lettered_at = now() - interval '20 days'",
+    )
+    .await;
+    set(
+        client,
+        &dead[..1],
+        "published_at = now() - interval '25 days'",
+    )
+    .await;
+    let mut survivors = [recent, pending, dead].concat();
+    survivors.sort();
+    (old, survivors)
+}
+
+#[tokio::test]
+async fn prune_deletes_only_old_published_rows_in_batches() {
+    let db = TestDb::new().await.unwrap();
+    let client = db.client().await.unwrap();
+    let (old, survivors) = craft_retention(&client).await;
+    let options = PruneOptions {
+        published_older_than: Duration::from_secs(7 * 24 * 3600),
+        processed_older_than: None,
+        batch: 5,
+    };
+    let report = prune::prune(&client, &options).await.unwrap();
+    assert_eq!(report.outbox.deleted, old.len() as u64);
+    // 5 + 5 + 2: the short third batch ends the run.
+    assert_eq!(report.outbox.statements, 3);
+    assert_eq!(report.processed_messages, None);
+    assert_eq!(
+        ids(&client, "SELECT id FROM outbox ORDER BY id").await,
+        survivors
+    );
+
+    // Nothing left to delete: one empty statement.
+    let again = prune::prune(&client, &options).await.unwrap();
+    assert_eq!((again.outbox.deleted, again.outbox.statements), (0, 1));
+
+    // An exact multiple of the batch needs one more, empty, statement to know it is done.
+    let more = insert(&client, 10, "order.placed", 10.0 * 24.0 * 3600.0).await;
+    set(&client, &more, "published_at = now() - interval '9 days'").await;
+    let report = prune::prune(&client, &options).await.unwrap();
+    assert_eq!((report.outbox.deleted, report.outbox.statements), (10, 3));
+    assert_eq!(
+        ids(&client, "SELECT id FROM outbox ORDER BY id").await,
+        survivors
+    );
+}
+
+#[tokio::test]
+async fn prune_from_the_command_line_reports_what_it_deleted() {
+    let db = TestDb::new().await.unwrap();
+    let client = db.client().await.unwrap();
+    let (old, survivors) = craft_retention(&client).await;
+    client
+        .batch_execute(
+            "INSERT INTO processed_messages (consumer, message_id, processed_at)
+             SELECT 'billing', 'm-' || g, now() - interval '8 days' FROM generate_series(1, 4) g;
+             INSERT INTO processed_messages (consumer, message_id) VALUES ('billing', 'fresh');",
+        )
+        .await
+        .unwrap();
+    let out = Command::new(BIN)
+        .args([
+            "prune",
+            "--older-than",
+            "7d",
+            "--batch",
+            "4",
+            "--processed-older-than",
+            "7d",
+            "--json",
+        ])
+        .env("DATABASE_URL", &db.url)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["outbox"]["deleted"], old.len());
+    assert_eq!(json["outbox"]["statements"], 4); // 4 + 4 + 4 + 0
+    assert_eq!(json["processed_messages"]["deleted"], 4);
+    assert_eq!(json["processed_messages"]["statements"], 2); // 4 + 0
+    assert_eq!(
+        ids(&client, "SELECT id FROM outbox ORDER BY id").await,
+        survivors
+    );
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM processed_messages").await,
+        1
+    );
+
+    let out = Command::new(BIN)
+        .args(["prune", "--older-than", "7d"])
+        .env("DATABASE_URL", &db.url)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("deleted 0 rows older than 7days") && text.contains("in 1 statements"),
+        "{text}"
+    );
+    assert!(text.contains("processed_messages: left alone"), "{text}");
+
+    let out = Command::new(BIN)
+        .args(["prune", "--older-than", "soon"])
+        .env("DATABASE_URL", &db.url)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--older-than"));
+}
+
+#[tokio::test]
+async fn processed_messages_are_pruned_past_their_ttl_in_batches() {
+    let db = TestDb::new().await.unwrap();
+    let client = db.client().await.unwrap();
+    client
+        .batch_execute(
+            "INSERT INTO processed_messages (consumer, message_id, processed_at)
+             SELECT 'billing', 'old-' || g, now() - interval '8 days' FROM generate_series(1, 7) g;
+             INSERT INTO processed_messages (consumer, message_id, processed_at)
+             SELECT 'billing', 'new-' || g, now() - interval '6 days' FROM generate_series(1, 2) g;",
+        )
+        .await
+        .unwrap();
+    let report = prune::prune_processed(&client, Duration::from_secs(7 * 24 * 3600), 3)
+        .await
+        .unwrap();
+    assert_eq!((report.deleted, report.statements), (7, 3));
+    let left: Vec<String> = client
+        .query("SELECT message_id FROM processed_messages ORDER BY 1", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(left, ["new-1", "new-2"]);
+}
+
+fn janitor_config(interval: Duration) -> JanitorConfig {
+    JanitorConfig {
+        enabled: true,
+        interval,
+        batch: 5,
+        ..JanitorConfig::default()
+    }
+}
+
+#[tokio::test]
+async fn janitor_prunes_at_start_and_stops_on_shutdown() {
+    let db = TestDb::new().await.unwrap();
+    let client = db.client().await.unwrap();
+    let (old, survivors) = craft_retention(&client).await;
+    client
+        .batch_execute(
+            "INSERT INTO processed_messages (consumer, message_id, processed_at)
+             VALUES ('billing', 'old', now() - interval '8 days'), ('billing', 'new', now())",
+        )
+        .await
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (passes_tx, mut passes) = tokio::sync::mpsc::unbounded_channel();
+    // An hour between passes: only the pass at start can happen in this test.
+    let janitor = tokio::spawn(run_janitor_observed(
+        db.pool(2).unwrap(),
+        janitor_config(Duration::from_secs(3600)),
+        async {
+            let _ = stopped.await;
+        },
+        move |pass| {
+            let _ = passes_tx.send(match pass {
+                Ok(report) => Ok(report.clone()),
+                Err(e) => Err(e.to_string()),
+            });
+        },
+    ));
+    let first = tokio::time::timeout(PATIENCE, passes.recv())
+        .await
+        .expect("the janitor prunes at start")
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.outbox.deleted, old.len() as u64);
+    assert_eq!(first.outbox.statements, 3);
+    assert_eq!(first.processed_messages.unwrap().deleted, 1);
+    stop.send(()).unwrap();
+    let summary = tokio::time::timeout(PATIENCE, janitor)
+        .await
+        .expect("the janitor stops on shutdown")
+        .unwrap();
+    assert_eq!(summary.passes, 1);
+    assert_eq!(summary.failed_passes, 0);
+    assert_eq!(summary.outbox_deleted, old.len() as u64);
+    assert_eq!(summary.processed_deleted, 1);
+    assert_eq!(
+        ids(&client, "SELECT id FROM outbox ORDER BY id").await,
+        survivors
+    );
+}
+
+async fn next(passes: &mut tokio::sync::mpsc::UnboundedReceiver<bool>) -> bool {
+    tokio::time::timeout(PATIENCE, passes.recv())
+        .await
+        .expect("a pass every interval")
+        .expect("the janitor ended early")
+}
+
+#[tokio::test]
+async fn janitor_repeats_every_interval_and_survives_errors() {
+    let db = TestDb::new().await.unwrap();
+    let client = db.client().await.unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (passes_tx, mut passes) = tokio::sync::mpsc::unbounded_channel();
+    let janitor = tokio::spawn(run_janitor_observed(
+        db.pool(2).unwrap(),
+        janitor_config(Duration::from_millis(20)),
+        async {
+            let _ = stopped.await;
+        },
+        move |pass| {
+            let _ = passes_tx.send(pass.is_ok());
+        },
+    ));
+    assert!(next(&mut passes).await);
+    // A pass that fails (the table is gone) is reported, and the next one runs.
+    client
+        .batch_execute("ALTER TABLE processed_messages RENAME TO processed_elsewhere")
+        .await
+        .unwrap();
+    while next(&mut passes).await {}
+    client
+        .batch_execute("ALTER TABLE processed_elsewhere RENAME TO processed_messages")
+        .await
+        .unwrap();
+    while !next(&mut passes).await {}
+    stop.send(()).unwrap();
+    let summary = tokio::time::timeout(PATIENCE, janitor)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(summary.passes >= 2, "{summary:?}");
+    assert!(summary.failed_passes >= 1, "{summary:?}");
+}
+
+#[tokio::test]
+async fn a_disabled_janitor_returns_at_once() {
+    let db = TestDb::new().await.unwrap();
+    let summary = tokio::time::timeout(
+        PATIENCE,
+        run_janitor(
+            db.pool(1).unwrap(),
+            JanitorConfig::default(),
+            std::future::pending(),
+        ),
+    )
+    .await
+    .expect("disabled means no loop");
+    assert_eq!(summary, prune::JanitorSummary::default());
+}
+
+#[test]
+fn janitor_config_errors_name_their_key() {
+    let cases = [
+        ("[janitor]\ninterval = \"0s\"\n", "janitor.interval"),
+        ("[janitor]\ninterval = \"often\"\n", "janitor.interval"),
+        (
+            "[janitor]\nretain_published = \"0s\"\n",
+            "janitor.retain_published",
+        ),
+        (
+            "[janitor]\nretain_processed = \"0s\"\n",
+            "janitor.retain_processed",
+        ),
+        ("[janitor]\nbatch = 0\n", "janitor.batch"),
+        ("[janitor]\nbatch = 1000000\n", "janitor.batch"),
+        ("[janitor]\nenabled = \"yes\"\n", "janitor.enabled"),
+        ("[janitor]\nretain = \"7d\"\n", "retain"),
+    ];
+    for (toml, key) in cases {
+        let err = Config::from_toml_str(toml).expect_err(toml).to_string();
+        assert!(
+            err.contains(key),
+            "error for {toml:?} should name `{key}`: {err}"
+        );
+    }
+    let ok = Config::from_toml_str(
+        "[janitor]\nenabled = true\ninterval = \"1m\"\nretain_published = \"3d\"\nbatch = 100\n",
+    )
+    .unwrap();
+    assert!(ok.janitor.enabled);
+    assert_eq!(
+        ok.janitor.retain_published,
+        Duration::from_secs(3 * 24 * 3600)
+    );
+    assert_eq!(
+        ok.janitor.retain_processed,
+        Duration::from_secs(7 * 24 * 3600)
+    );
+
+    let out = Command::new(BIN)
+        .args(["check-config"])
+        .env("OUTBOX_RELAY_JANITOR__BATCH", "0")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("janitor.batch"), "{stderr}");
+}
+
+// --- partitions ---------------------------------------------------------
+
+/// The relay's claim statement, in the shape the engine uses.
+const CLAIM_SQL: &str = "
+UPDATE outbox
+SET locked_until = now() + interval '30 seconds', attempt_count = attempt_count + 1
+WHERE id IN (
+    SELECT id FROM outbox
+    WHERE published_at IS NULL AND dead_lettered_at IS NULL
+      AND available_at <= now()
+      AND (locked_until IS NULL OR locked_until < now())
+    ORDER BY available_at, id
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED)
+RETURNING id, idempotency_key, attempt_count";
+
+/// Inserts one event created `days_ago` days ago the way a producer on a
+/// partitioned outbox must: `ON CONFLICT DO NOTHING` without a target.
+async fn insert_partitioned(client: &Client, key: &str, days_ago: i32) -> Option<i64> {
+    client
+        .query_opt(
+            "INSERT INTO outbox (tenant_id, aggregate_type, aggregate_id, event_type, payload,
+                                 idempotency_key, created_at, available_at)
+             VALUES (gen_random_uuid(), 'order', $1, 'order.placed', '{}', $1,
+                     now() - make_interval(days => $2), now() - make_interval(days => $2))
+             ON CONFLICT DO NOTHING
+             RETURNING id",
+            &[&key, &days_ago],
+        )
+        .await
+        .unwrap()
+        .map(|r| r.get(0))
+}
+
+async fn partitioned_db() -> (TestDb, Client) {
+    let db = TestDb::new().await.unwrap();
+    let mut client = db.client().await.unwrap();
+    let report = partitions::init(&mut client, 3).await.unwrap();
+    assert_eq!(report.count(PartitionAction::Created), 4, "{report:?}");
+    assert_eq!(report.partitions.len(), 4);
+    assert!(partitions::is_partitioned(&client).await.unwrap());
+    // Past days, as if the outbox had been partitioned for a while.
+    for days_ago in [10, 9, 8, 2] {
+        let outcome: String = client
+            .query_one(
+                "SELECT outbox_create_partition((now() AT TIME ZONE 'UTC')::date - $1::int4)",
+                &[&days_ago],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(outcome, "created");
+    }
+    (db, client)
+}
+
+#[tokio::test]
+async fn partitioned_outbox_claims_dedupes_prunes_and_drops_old_partitions() {
+    let (db, mut client) = partitioned_db().await;
+
+    // Spread over partitions: -10 published, -9 pending and published, -8 dead, -2, today.
+    let published_old = insert_partitioned(&client, "k-10", 10).await.unwrap();
+    set(
+        &client,
+        &[published_old],
+        "published_at = now() - interval '9 days'",
+    )
+    .await;
+    let pending_old = insert_partitioned(&client, "k-9-pending", 9).await.unwrap();
+    let published_9 = insert_partitioned(&client, "k-9-published", 9)
+        .await
+        .unwrap();
+    set(
+        &client,
+        &[published_9],
+        "published_at = now() - interval '8 days'",
+    )
+    .await;
+    let dead_old = insert_partitioned(&client, "k-8-dead", 8).await.unwrap();
+    set(
+        &client,
+        &[dead_old],
+        "dead_lettered_at = now() - interval '8 days'",
+    )
+    .await;
+    let recent = insert_partitioned(&client, "k-2", 2).await.unwrap();
+    let today = insert_partitioned(&client, "k-0", 0).await.unwrap();
+    let places: Vec<(i64, String)> = client
+        .query(
+            "SELECT id, tableoid::regclass::text FROM outbox ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let distinct: std::collections::BTreeSet<&str> =
+        places.iter().map(|(_, p)| p.as_str()).collect();
+    assert_eq!(
+        distinct.len(),
+        5,
+        "rows landed in their day's partitions: {places:?}"
+    );
+    assert!(!distinct.contains("outbox_default"));
+
+    // The idempotency key stays unique across partitions (the trigger's table) ...
+    assert_eq!(insert_partitioned(&client, "k-10", 0).await, None);
+    assert_eq!(insert_partitioned(&client, "k-0", 3).await, None);
+    // ... while the producer's `ON CONFLICT (idempotency_key)` cannot work here.
+    let err = client
+        .execute(
+            "INSERT INTO outbox (tenant_id, aggregate_type, aggregate_id, event_type, payload, idempotency_key)
+             VALUES (gen_random_uuid(), 'order', 'x', 'order.placed', '{}', 'k-new')
+             ON CONFLICT (idempotency_key) DO NOTHING",
+            &[],
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        err.as_db_error().unwrap().message().contains("ON CONFLICT"),
+        "{err:?}"
+    );
+    // Our producer API uses the portable form: new keys go in, repeats are reported.
+    {
+        let mut producer = db.client().await.unwrap();
+        let tx = producer.transaction().await.unwrap();
+        let fresh = outbox_relay::NewEvent::new(
+            uuid::Uuid::nil(),
+            "order",
+            "p",
+            "order.placed",
+            serde_json::json!({}),
+            "k-producer",
+        );
+        assert!(outbox_relay::enqueue(&tx, &fresh).await.unwrap().is_new());
+        let mut repeat = fresh.clone();
+        repeat.idempotency_key = "k-10".into();
+        assert_eq!(
+            outbox_relay::enqueue(&tx, &repeat).await.unwrap(),
+            outbox_relay::Enqueued::Duplicate
+        );
+        tx.rollback().await.unwrap();
+    }
+
+    // The claim query works across partitions, oldest first, and leases hold.
+    let claimed = client.query(CLAIM_SQL, &[&10i64]).await.unwrap();
+    let claimed_ids: Vec<i64> = claimed.iter().map(|r| r.get(0)).collect();
+    assert_eq!(claimed_ids, [pending_old, recent, today]);
+    assert!(claimed.iter().all(|r| r.get::<_, i32>(2) == 1));
+    assert!(client.query(CLAIM_SQL, &[&10i64]).await.unwrap().is_empty());
+
+    // Gauges read every partition.
+    let snap = snapshot(&client).await.unwrap();
+    assert_eq!((snap.backlog, snap.dead_letters), (3, 1));
+    assert!(snap.oldest_pending_age_seconds >= 9.0 * 24.0 * 3600.0);
+
+    // Row-level retention works on the partitioned table too.
+    let report = prune::prune_published(&client, Duration::from_secs(7 * 24 * 3600), 1)
+        .await
+        .unwrap();
+    assert_eq!((report.deleted, report.statements), (2, 3));
+    let published_again = insert_partitioned(&client, "k-10-again", 10).await.unwrap();
+    set(
+        &client,
+        &[published_again],
+        "published_at = now() - interval '9 days'",
+    )
+    .await;
+
+    // Partition retention: -10 goes; -9 keeps a pending row, -8 a dead letter.
+    let report = partitions::maintain(
+        &mut client,
+        &MaintainOptions {
+            ahead_days: 3,
+            retain: Duration::from_secs(7 * 24 * 3600),
+            ..MaintainOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let by_action = |a| {
+        report
+            .changes
+            .iter()
+            .filter(|c| c.action == a)
+            .map(|c| c.partition.clone())
+            .collect::<Vec<_>>()
+    };
+    let day = |days_ago: i64| {
+        partitions::partition_name(
+            (report_today(&report) - chrono::Days::new(days_ago as u64)).to_owned(),
+        )
+    };
+    assert_eq!(by_action(PartitionAction::Dropped), [day(10)]);
+    assert_eq!(by_action(PartitionAction::HasPending), [day(9)]);
+    assert_eq!(by_action(PartitionAction::HasDeadLetters), [day(8)]);
+    assert!(by_action(PartitionAction::Created).is_empty());
+    assert_eq!(report.partitions.len(), 7);
+    assert_eq!(report.default_rows, 0);
+    // Keys older than the oldest undelivered row (-9 days) are pruned: those
+    // of the dropped partition's rows.
+    assert_eq!(report.idempotency_keys_deleted, 2);
+    let keys: Vec<String> = client
+        .query(
+            "SELECT idempotency_key FROM outbox_idempotency_keys ORDER BY 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        keys,
+        ["k-0", "k-2", "k-8-dead", "k-9-pending", "k-9-published"]
+    );
+    let left = ids(&client, "SELECT id FROM outbox ORDER BY id").await;
+    assert_eq!(left, [pending_old, dead_old, recent, today]);
+}
+
+/// The UTC day `maintain` called today: the newest created partition minus `ahead`.
+fn report_today(report: &partitions::MaintainReport) -> chrono::NaiveDate {
+    let newest = report.partitions.last().unwrap();
+    chrono::NaiveDate::parse_from_str(&newest["outbox_p".len()..], "%Y%m%d").unwrap()
+        - chrono::Days::new(3)
+}
+
+#[tokio::test]
+async fn partition_maintenance_gives_up_on_a_held_lock_and_keeps_inserts_safe() {
+    let (db, mut client) = partitioned_db().await;
+    // A row far ahead of every partition lands in the default partition.
+    let far = insert_partitioned(&client, "k-future", -30).await.unwrap();
+    let place: String = client
+        .query_one(
+            "SELECT tableoid::regclass::text FROM outbox WHERE id = $1",
+            &[&far],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(place, "outbox_default");
+
+    // A long transaction reading the outbox holds ACCESS SHARE on it.
+    let mut holder = db.client().await.unwrap();
+    let tx = holder.transaction().await.unwrap();
+    tx.query("SELECT count(*) FROM outbox", &[]).await.unwrap();
+    let report = partitions::maintain(
+        &mut client,
+        &MaintainOptions {
+            ahead_days: 3,
+            retain: Duration::from_secs(7 * 24 * 3600),
+            lock_timeout: Duration::from_millis(200),
+            ..MaintainOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    let timed_out: Vec<_> = report
+        .changes
+        .iter()
+        .filter(|c| c.action == PartitionAction::LockTimeout)
+        .collect();
+    assert_eq!(timed_out.len(), 3, "the three expired days: {report:?}");
+    assert_eq!(report.default_rows, 1);
+    tx.rollback().await.unwrap();
+
+    // With the lock free, the same run drops them.
+    let report = partitions::maintain(
+        &mut client,
+        &MaintainOptions {
+            ahead_days: 3,
+            retain: Duration::from_secs(7 * 24 * 3600),
+            ..MaintainOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(report.count(PartitionAction::Dropped), 3, "{report:?}");
+
+    // The CLI shows the warning about the default partition.
+    let out = Command::new(BIN)
+        .args(["partitions", "maintain", "--ahead", "3"])
+        .env("DATABASE_URL", &db.url)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("outbox_default holds 1 rows"), "{text}");
+}
+
+#[tokio::test]
+async fn partitioning_refuses_a_non_empty_or_partitioned_outbox() {
+    let db = TestDb::new().await.unwrap();
+    let mut client = db.client().await.unwrap();
+    let out = Command::new(BIN)
+        .args(["partitions", "maintain"])
+        .env("DATABASE_URL", &db.url)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("not partitioned"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    insert(&client, 1, "order.placed", 0.0).await;
+    let err = partitions::init(&mut client, 1).await.unwrap_err();
+    assert!(err.to_string().contains("the outbox has rows"), "{err}");
+    assert!(!partitions::is_partitioned(&client).await.unwrap());
+    assert_eq!(count(&client, "SELECT count(*) FROM outbox").await, 1);
+
+    client.batch_execute("DELETE FROM outbox").await.unwrap();
+    let out = Command::new(BIN)
+        .args(["partitions", "init", "--ahead", "1"])
+        .env("DATABASE_URL", &db.url)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("2 partitions created"));
+    let err = partitions::init(&mut client, 1).await.unwrap_err();
+    assert!(err.to_string().contains("already partitioned"), "{err}");
+}
+
+#[tokio::test]
+async fn the_published_at_index_serves_the_throughput_series_and_retention() {
+    let db = TestDb::new().await.unwrap();
+    let client = db.client().await.unwrap();
+    // Enough published history that reading it all would be the planner's worst choice.
+    client
+        .batch_execute(
+            "INSERT INTO outbox (tenant_id, aggregate_type, aggregate_id, event_type, payload,
+                                 idempotency_key, created_at, published_at)
+             SELECT gen_random_uuid(), 'order', g::text, 'order.placed', '{}', 'k' || g,
+                    now() - g * interval '10 seconds', now() - g * interval '10 seconds'
+             FROM generate_series(1, 20000) g;
+             ANALYZE outbox;",
+        )
+        .await
+        .unwrap();
+    let plan = |sql: &'static str| {
+        let client = &client;
+        async move {
+            client
+                .query(&format!("EXPLAIN (COSTS OFF) {sql}"), &[])
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get::<_, String>(0))
+                .collect::<Vec<_>>()
+                .join("\n")
+        }
+    };
+    let series = plan(
+        "SELECT date_trunc('minute', published_at), count(*) FROM outbox
+         WHERE published_at >= date_trunc('minute', now()) - interval '59 minutes' GROUP BY 1",
+    )
+    .await;
+    assert!(series.contains("outbox_published_at_idx"), "{series}");
+    let retention = plan(
+        "SELECT id FROM outbox WHERE published_at < now() - interval '1 day'
+           AND dead_lettered_at IS NULL ORDER BY published_at LIMIT 5000",
+    )
+    .await;
+    assert!(retention.contains("outbox_published_at_idx"), "{retention}");
+}
+
+/// The optional script rebuilds the outbox from scratch: it must stay in step
+/// with every migration that changes the outbox, or `partitions init` would
+/// silently drop a column or an index the relay needs.
+#[tokio::test]
+async fn the_partitioned_outbox_has_every_column_and_index_of_the_migrated_one() {
+    const COLUMNS: &str = "SELECT column_name || ' ' || data_type || ' ' || is_nullable || ' ' || coalesce(column_default, '') || ' ' || is_identity
+        FROM information_schema.columns WHERE table_schema = 'public' AND table_name = 'outbox' ORDER BY ordinal_position";
+    // Index names and their definitions without the ON clause (ONLY / not).
+    const INDEXES: &str = "SELECT indexname || ': ' || regexp_replace(indexdef, '^.* USING ', '')
+        FROM pg_indexes WHERE schemaname = 'public' AND tablename = 'outbox' ORDER BY 1";
+    const TRIGGERS: &str = "SELECT tgname::text FROM pg_trigger
+        WHERE tgrelid = 'outbox'::regclass AND NOT tgisinternal ORDER BY 1";
+    let db = TestDb::new().await.unwrap();
+    let mut client = db.client().await.unwrap();
+    let strings = |sql: &'static str| {
+        let client = &client;
+        async move {
+            client
+                .query(sql, &[])
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get::<_, String>(0))
+                .collect::<Vec<_>>()
+        }
+    };
+    let (columns, indexes, triggers) = (
+        strings(COLUMNS).await,
+        strings(INDEXES).await,
+        strings(TRIGGERS).await,
+    );
+    assert_eq!(columns.len(), 16, "{columns:?}");
+    assert!(indexes.len() >= 7, "{indexes:?}");
+    assert_eq!(triggers.len(), 2, "{triggers:?}");
+    partitions::init(&mut client, 0).await.unwrap();
+    let strings = |sql: &'static str| {
+        let client = &client;
+        async move {
+            client
+                .query(sql, &[])
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get::<_, String>(0))
+                .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(strings(COLUMNS).await, columns);
+    let partitioned_indexes = strings(INDEXES).await;
+    for index in &indexes {
+        let expected = match index.split(':').next().unwrap() {
+            // The two constraints partitioning must change (docs/partitioning.md).
+            "outbox_pkey" => "outbox_pkey: btree (id, created_at)".to_owned(),
+            "outbox_idempotency_key_key" => {
+                "outbox_idempotency_key_idx: btree (idempotency_key)".to_owned()
+            }
+            _ => index.clone(),
+        };
+        assert!(
+            partitioned_indexes.contains(&expected),
+            "{expected} missing from the partitioned outbox: {partitioned_indexes:?}"
+        );
+    }
+    let partitioned_triggers = strings(TRIGGERS).await;
+    for trigger in &triggers {
+        assert!(partitioned_triggers.contains(trigger), "{trigger}");
+    }
+}

@@ -1,0 +1,242 @@
+//! The dashboard and the alert rules in `config/` name only metrics the relay
+//! exports (`ops::metric_names`), and every alert is complete.
+
+use outbox_relay::ops::metric_names::{is_known_series, HISTOGRAMS, METRIC_NAMES};
+use serde_json::Value;
+
+fn read(path: &str) -> String {
+    std::fs::read_to_string(format!("{}/{path}", env!("CARGO_MANIFEST_DIR")))
+        .unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+/// Every `outbox_relay_…` identifier in a PromQL expression.
+fn our_series(expr: &str) -> Vec<String> {
+    const PREFIX: &str = "outbox_relay_";
+    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':';
+    let mut found = Vec::new();
+    let mut rest = expr;
+    while let Some(at) = rest.find(PREFIX) {
+        let starts_word = rest[..at].chars().next_back().is_none_or(|c| !is_ident(c));
+        let tail = &rest[at..];
+        let end = tail.find(|c: char| !is_ident(c)).unwrap_or(tail.len());
+        if starts_word {
+            found.push(tail[..end].to_owned());
+        }
+        rest = &tail[end.max(1)..];
+    }
+    found
+}
+
+/// Strings under the keys Grafana keeps PromQL in, anywhere in the document.
+fn dashboard_queries(v: &Value, key: Option<&str>, out: &mut Vec<String>) {
+    match v {
+        Value::String(s) if matches!(key, Some("expr" | "query" | "definition")) => {
+            out.push(s.clone())
+        }
+        Value::Array(items) => items.iter().for_each(|i| dashboard_queries(i, key, out)),
+        Value::Object(map) => map
+            .iter()
+            .for_each(|(k, v)| dashboard_queries(v, Some(k), out)),
+        _ => {}
+    }
+}
+
+fn balanced(expr: &str) -> bool {
+    let mut stack = Vec::new();
+    let mut in_string = false;
+    for c in expr.chars() {
+        match c {
+            '"' => in_string = !in_string,
+            _ if in_string => {}
+            '(' | '[' | '{' => stack.push(c),
+            ')' | ']' | '}' => {
+                let open = stack.pop();
+                let want = match c {
+                    ')' => '(',
+                    ']' => '[',
+                    _ => '{',
+                };
+                if open != Some(want) {
+                    return false;
+                }
+            }
+            _ => {}
+        }
+    }
+    stack.is_empty() && !in_string
+}
+
+#[test]
+fn the_scanner_finds_our_identifiers_only() {
+    assert_eq!(
+        our_series(
+            r#"sum(rate(outbox_relay_events_published_total{job="outbox-relay"}[5m])) / x_outbox_relay_y"#
+        ),
+        ["outbox_relay_events_published_total"]
+    );
+    assert!(is_known_series("outbox_relay_commit_to_ack_seconds_bucket"));
+    assert!(!is_known_series("outbox_relay_backlog_bucket"));
+    assert!(!is_known_series("outbox_relay_events_published"));
+}
+
+#[test]
+fn metric_names_follow_prometheus_conventions() {
+    for name in METRIC_NAMES {
+        assert!(name.starts_with("outbox_relay_"), "{name}");
+        assert!(
+            name.chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'),
+            "{name}"
+        );
+    }
+    let counters: Vec<_> = METRIC_NAMES
+        .iter()
+        .filter(|n| n.ends_with("_total"))
+        .collect();
+    assert_eq!(counters.len(), 5);
+    for h in HISTOGRAMS {
+        assert!(METRIC_NAMES.contains(h));
+        assert!(!h.ends_with("_total"));
+    }
+    let mut sorted = METRIC_NAMES.to_vec();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(sorted.len(), METRIC_NAMES.len(), "duplicate names");
+}
+
+#[test]
+fn the_dashboard_uses_only_exported_metrics_and_shows_them_all() {
+    let dashboard: Value = serde_json::from_str(&read("config/grafana/outbox-relay.json")).unwrap();
+    let mut queries = Vec::new();
+    dashboard_queries(&dashboard, None, &mut queries);
+    assert!(queries.len() > 20, "{queries:?}");
+    let mut used = Vec::new();
+    for q in &queries {
+        assert!(balanced(q), "unbalanced brackets in {q}");
+        for series in our_series(q) {
+            assert!(is_known_series(&series), "unknown metric `{series}` in {q}");
+            used.push(series);
+        }
+    }
+    for name in METRIC_NAMES {
+        assert!(
+            used.iter().any(|u| u.starts_with(name)),
+            "the dashboard has no panel for {name}"
+        );
+    }
+    for h in HISTOGRAMS {
+        assert!(
+            queries
+                .iter()
+                .any(|q| q.contains("histogram_quantile(") && q.contains(&format!("{h}_bucket"))),
+            "no quantile panel for {h}"
+        );
+    }
+    // Every panel has a unique id and a title; every target a refId.
+    let panels = dashboard["panels"].as_array().unwrap();
+    let mut ids: Vec<i64> = panels.iter().map(|p| p["id"].as_i64().unwrap()).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), panels.len());
+    for p in panels {
+        assert!(p["title"].as_str().is_some_and(|t| !t.is_empty()), "{p}");
+        for t in p["targets"].as_array().into_iter().flatten() {
+            assert!(t["refId"].is_string(), "{t}");
+        }
+    }
+}
+
+#[test]
+fn every_alert_is_complete_and_uses_only_exported_metrics() {
+    let rules: serde_norway::Value =
+        serde_norway::from_str(&read("config/prometheus/alerts.yml")).unwrap();
+    let groups = rules["groups"].as_sequence().expect("groups");
+    let mut alerts = Vec::new();
+    for group in groups {
+        assert!(group["name"].as_str().is_some());
+        for rule in group["rules"].as_sequence().expect("rules") {
+            alerts.push(rule);
+        }
+    }
+    assert!(alerts.len() >= 6);
+    let mut names = Vec::new();
+    let mut used = Vec::new();
+    for rule in &alerts {
+        let name = rule["alert"].as_str().expect("every rule is an alert");
+        names.push(name);
+        let expr = rule["expr"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{name}: expr"));
+        assert!(balanced(expr), "{name}: unbalanced brackets in {expr}");
+        for series in our_series(expr) {
+            assert!(
+                is_known_series(&series),
+                "{name}: unknown metric `{series}`"
+            );
+            used.push(series);
+        }
+        let r#for = rule["for"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{name}: for"));
+        humantime::parse_duration(r#for).unwrap_or_else(|e| panic!("{name}: for {for}: {e}"));
+        let severity = rule["labels"]["severity"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{name}: labels.severity"));
+        assert!(
+            ["critical", "warning", "info"].contains(&severity),
+            "{name}: severity {severity}"
+        );
+        assert!(
+            rule["annotations"]["summary"]
+                .as_str()
+                .is_some_and(|s| !s.is_empty()),
+            "{name}: annotations.summary"
+        );
+    }
+    let mut unique = names.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(unique.len(), names.len(), "duplicate alert names");
+
+    // The alerts the runbook promises.
+    let by_name = |n: &str| {
+        alerts
+            .iter()
+            .find(|r| r["alert"].as_str() == Some(n))
+            .unwrap_or_else(|| panic!("missing alert {n}"))
+    };
+    let lag = by_name("OutboxRelayLagCritical");
+    assert!(lag["expr"]
+        .as_str()
+        .unwrap()
+        .contains("outbox_relay_oldest_pending_age_seconds"));
+    assert_ne!(lag["for"].as_str(), Some("0m"), "lag needs a for: window");
+    assert!(by_name("OutboxRelayDeadLetter")["expr"]
+        .as_str()
+        .unwrap()
+        .contains("outbox_relay_events_dead_lettered_total"));
+    assert!(by_name("OutboxRelayDown")["expr"]
+        .as_str()
+        .unwrap()
+        .contains("up{"));
+    assert!(by_name("OutboxRelayAbsent")["expr"]
+        .as_str()
+        .unwrap()
+        .contains("absent("));
+    assert!(by_name("OutboxRelayRestartLoop")["expr"]
+        .as_str()
+        .unwrap()
+        .contains("outbox_relay_actor_restarts_total"));
+    assert!(by_name("OutboxRelayDeadTuplesGrowing")["expr"]
+        .as_str()
+        .unwrap()
+        .contains("outbox_relay_outbox_dead_tuples"));
+    // Alert on age, never on depth alone.
+    assert!(
+        !used.iter().any(|u| u == "outbox_relay_backlog")
+            || alerts.iter().all(|r| {
+                let e = r["expr"].as_str().unwrap();
+                !e.contains("outbox_relay_backlog") || e.contains("absent(")
+            })
+    );
+}

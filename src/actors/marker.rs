@@ -150,7 +150,7 @@ async fn flush(myself: &ActorRef<MarkerMsg>, state: &mut MarkerState) -> bool {
         attempts.push(marked.lease.attempt);
         let (kind, delay, error) = match &marked.mark {
             Mark::Published => (KIND_PUBLISHED, 0i64, None),
-            Mark::Retry { delay, error } => {
+            Mark::Retry { delay, error, .. } => {
                 (KIND_RETRY, delay.as_millis() as i64, Some(error.as_str()))
             }
             Mark::Dead { error, .. } => (KIND_DEAD, 0, Some(error.as_str())),
@@ -243,8 +243,8 @@ fn account(shared: &Shared, marked: &[Marked], applied: &HashSet<i64>) {
                 counter!(m::PUBLISHED, "route" => route).increment(1);
                 counters.published.fetch_add(1, AtomicOrdering::Relaxed);
             }
-            Mark::Retry { .. } => {
-                counter!(m::RETRIED, "route" => route).increment(1);
+            Mark::Retry { reason, .. } => {
+                counter!(m::RETRIED, "route" => route, "reason" => reason.as_str()).increment(1);
                 counters.retried.fetch_add(1, AtomicOrdering::Relaxed);
             }
             Mark::Dead { reason, .. } => {

@@ -30,7 +30,7 @@ use crate::config::Config;
 use crate::db;
 use crate::routes::Router;
 use crate::row::OutboxRow;
-use crate::sink::{DeadReason, Sinks};
+use crate::sink::{DeadReason, RetryReason, Sinks};
 
 pub use claimer::ClaimerMsg;
 pub use marker::MarkerMsg;
@@ -174,6 +174,7 @@ pub enum Mark {
     Published,
     Retry {
         delay: Duration,
+        reason: RetryReason,
         error: String,
     },
     Dead {

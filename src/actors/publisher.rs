@@ -97,7 +97,11 @@ fn decide(
             }
             Mark::Published
         }
-        Outcome::Retry { after, error } => {
+        Outcome::Retry {
+            after,
+            reason,
+            error,
+        } => {
             let max = shared.config.relay.max_attempts;
             if lease.attempt as u32 >= max {
                 let error = format!("attempt {} of {max} failed: {error}", lease.attempt);
@@ -105,7 +109,11 @@ fn decide(
             } else {
                 let delay = shared.backoff.next(lease.attempt as u32, after, rng);
                 tracing::debug!(id = row.id, attempt = lease.attempt, ?delay, %error, "retry");
-                Mark::Retry { delay, error }
+                Mark::Retry {
+                    delay,
+                    reason,
+                    error,
+                }
             }
         }
         Outcome::Dead { reason, error } => dead(row, reason, error),

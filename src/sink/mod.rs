@@ -24,10 +24,44 @@ pub enum Outcome {
     Retry {
         /// What the destination asked for (`Retry-After`).
         after: Option<Duration>,
+        reason: RetryReason,
         error: String,
     },
     /// It will never be accepted; stop trying.
     Dead { reason: DeadReason, error: String },
+}
+
+/// Why an attempt will be retried; the `reason` label on the metric.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetryReason {
+    /// 5xx.
+    ServerError,
+    /// 429.
+    RateLimited,
+    /// 408, or no answer within the request timeout.
+    Timeout,
+    /// Could not connect.
+    Connect,
+    /// The connection broke or the answer could not be read.
+    Network,
+    /// QStash refused our token (401/403): a configuration problem.
+    Unauthorized,
+    /// One message of a QStash batch came back with an error.
+    BatchElement,
+}
+
+impl RetryReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            RetryReason::ServerError => "server_error",
+            RetryReason::RateLimited => "rate_limited",
+            RetryReason::Timeout => "timeout",
+            RetryReason::Connect => "connect",
+            RetryReason::Network => "network",
+            RetryReason::Unauthorized => "unauthorized",
+            RetryReason::BatchElement => "batch_element",
+        }
+    }
 }
 
 /// Why a row was dead-lettered; the `reason` label on the metric.
@@ -82,13 +116,23 @@ pub fn classify(response: &Response) -> Outcome {
         ),
         MAX_ERROR_CHARS,
     );
-    if status.as_u16() == 408 || status.as_u16() == 429 || status.is_server_error() {
+    let reason = match status.as_u16() {
+        408 => Some(RetryReason::Timeout),
+        429 => Some(RetryReason::RateLimited),
+        _ if status.is_server_error() => Some(RetryReason::ServerError),
+        _ => None,
+    };
+    if let Some(reason) = reason {
         let after = response
             .headers
             .get(::http::header::RETRY_AFTER)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| parse_retry_after(v, SystemTime::now()));
-        Outcome::Retry { after, error }
+        Outcome::Retry {
+            after,
+            reason,
+            error,
+        }
     } else {
         Outcome::Dead {
             reason: DeadReason::Rejected,
@@ -100,6 +144,11 @@ pub fn classify(response: &Response) -> Outcome {
 pub fn transport_outcome(e: &TransportError) -> Outcome {
     Outcome::Retry {
         after: None,
+        reason: match e {
+            TransportError::Connect(_) => RetryReason::Connect,
+            TransportError::Timeout(_) => RetryReason::Timeout,
+            TransportError::Request(_) | TransportError::Body(_) => RetryReason::Network,
+        },
         error: truncate(e.to_string(), MAX_ERROR_CHARS),
     }
 }

@@ -10,7 +10,7 @@ use http_body_util::Full;
 use serde::Serialize;
 
 use super::http::HttpClient;
-use super::{classify, transport_outcome, DeadReason, Outcome, MAX_ERROR_CHARS};
+use super::{classify, transport_outcome, DeadReason, Outcome, RetryReason, MAX_ERROR_CHARS};
 use crate::config::{PublishMode, QstashConfig};
 use crate::metrics;
 use crate::routes::Route;
@@ -232,6 +232,7 @@ fn classify_qstash(response: &super::Response) -> Outcome {
         Outcome::Dead { error, .. } if matches!(response.status.as_u16(), 401 | 403) => {
             Outcome::Retry {
                 after: None,
+                reason: RetryReason::Unauthorized,
                 error: format!("QStash refused the token: {error}"),
             }
         }
@@ -280,6 +281,7 @@ pub fn batch_outcomes(body: &[u8], expected: usize) -> Vec<Outcome> {
             Some(serde_json::Value::Object(obj)) => match obj.get("error") {
                 Some(err) => Outcome::Retry {
                     after: None,
+                    reason: RetryReason::BatchElement,
                     error: super::truncate(
                         format!(
                             "qstash batch element: {}",

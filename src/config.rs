@@ -60,7 +60,9 @@ pub struct DatabaseConfig {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct RelayConfig {
-    /// Claimers; each owns the partition keys that hash to it.
+    /// Shards, one claimer each; a row's shard is a hash of its partition key.
+    /// Must equal the database's count (`outbox_relay_settings`, 8 unless
+    /// changed with `outbox-relay reshard`).
     pub shards: u32,
     /// Publisher actors sharing the HTTP client.
     pub publishers: u32,
@@ -246,7 +248,7 @@ impl Default for DatabaseConfig {
     fn default() -> Self {
         DatabaseConfig {
             url: String::new(),
-            pool_size: 8,
+            pool_size: 12,
             connect_timeout: Duration::from_secs(5),
         }
     }
@@ -255,7 +257,7 @@ impl Default for DatabaseConfig {
 impl Default for RelayConfig {
     fn default() -> Self {
         RelayConfig {
-            shards: 2,
+            shards: 8,
             publishers: 4,
             claim_batch: 500,
             max_in_flight: 5000,

@@ -59,6 +59,13 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Change how many shards the outbox is hashed into (stop the relays first; set relay.shards to match).
+    Reshard {
+        /// The new shard count (1-1024).
+        shards: i32,
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
     /// Check a config file and the environment, print the effective config (secrets hidden), and exit.
     CheckConfig {
         #[arg(long)]
@@ -162,6 +169,14 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                     }
                 );
             }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Reshard { shards, config } => {
+            let config = Config::load(config.as_deref())?;
+            let mut client = db::connect(&config.database.url).await?;
+            let before = outbox_relay::ops::shards::shards(&client).await?;
+            let rows = outbox_relay::ops::shards::reshard(&mut client, shards).await?;
+            println!("resharded from {before} to {shards} shards ({rows} rows rewritten); set relay.shards = {shards}");
             Ok(ExitCode::SUCCESS)
         }
         Command::CheckConfig { config } => {

@@ -62,7 +62,7 @@ impl Relay {
             config.database.pool_size,
             config.database.connect_timeout,
         )?;
-        check_schema(&pool).await?;
+        check_schema(&pool, config.relay.shards).await?;
         let router = Router::new(&config.routes).map_err(RelayError::Config)?;
         let client = HttpClient::new(&config.http);
         let shared = Arc::new(Shared {
@@ -201,7 +201,10 @@ impl Relay {
 const PENDING_COUNT_SQL: &str =
     "SELECT count(*) FROM outbox WHERE published_at IS NULL AND dead_lettered_at IS NULL";
 
-async fn check_schema(pool: &db::Pool) -> Result<(), RelayError> {
+/// The number of shards the database hashes rows into.
+pub const SHARDS_SQL: &str = "SELECT shards FROM outbox_relay_settings";
+
+async fn check_schema(pool: &db::Pool, shards: u32) -> Result<(), RelayError> {
     let client = pool.get().await.map_err(db::DbError::from)?;
     let latest = db::migrate::MIGRATIONS
         .iter()
@@ -223,6 +226,18 @@ async fn check_schema(pool: &db::Pool) -> Result<(), RelayError> {
         Some(v) if v < latest => Err(RelayError::Schema(format!(
             "schema is at migration {v}, this relay needs {latest}"
         ))),
-        Some(_) => Ok(()),
+        Some(_) => {
+            let in_db: i32 = client
+                .query_one(SHARDS_SQL, &[])
+                .await
+                .map_err(db::DbError::from)?
+                .get(0);
+            if in_db as u32 != shards {
+                return Err(RelayError::Config(format!(
+                    "configuration key `relay.shards`: is {shards}, but the outbox is sharded {in_db} ways; set relay.shards = {in_db}, or change the database with `outbox-relay reshard {shards}`"
+                )));
+            }
+            Ok(())
+        }
     }
 }

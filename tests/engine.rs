@@ -630,3 +630,53 @@ async fn replayed_dead_letters_are_published_again_with_new_dedup_ids() {
         "replays carry a new, derived deduplication id"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shard_count_is_the_databases_and_reshard_changes_it() {
+    let db = TestDb::new().await.unwrap();
+    let sink = TestSink::start(TOKEN).await;
+    insert_events(&db, 300, 50).await;
+    let mut cfg = config(&db, &sink.url(), QSTASH_ROUTE);
+    cfg.relay.shards = 3;
+    let err = Relay::start(cfg.clone())
+        .await
+        .err()
+        .expect("a mismatch is refused");
+    let text = err.to_string();
+    assert!(
+        text.contains("relay.shards") && text.contains("sharded 8 ways"),
+        "{text}"
+    );
+    let mut client = db.client().await.unwrap();
+    let rewritten = outbox_relay::ops::shards::reshard(&mut client, 3)
+        .await
+        .unwrap();
+    assert_eq!(rewritten, 300);
+    let spread: Vec<i16> = client
+        .query("SELECT DISTINCT shard FROM outbox ORDER BY 1", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(spread, vec![0, 1, 2]);
+    // New rows are hashed with the new count too.
+    insert_events_from(&db, 300, 100).await;
+    let relay = Relay::start(cfg).await.unwrap();
+    assert!(wait_until(DRAIN_LIMIT, || async { pending(&db).await == 0 }).await);
+    assert_eq!(relay.shutdown().await.counters.published, 400);
+}
+
+async fn insert_events_from(db: &TestDb, start: usize, n: usize) {
+    let mut client = db.client().await.unwrap();
+    let tx = client.transaction().await.unwrap();
+    let events: Vec<_> = (start..start + n)
+        .map(|i| common::event(i, &format!("order:k{}", i % 50)))
+        .collect();
+    outbox_relay::enqueue_many(&tx, &events).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(
+        count(db, "SELECT count(*) FROM outbox WHERE shard >= 3").await,
+        0
+    );
+}

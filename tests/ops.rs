@@ -1055,7 +1055,7 @@ async fn the_partitioned_outbox_has_every_column_and_index_of_the_migrated_one()
         strings(INDEXES).await,
         strings(TRIGGERS).await,
     );
-    assert_eq!(columns.len(), 16, "{columns:?}");
+    assert_eq!(columns.len(), 17, "{columns:?}");
     assert!(indexes.len() >= 7, "{indexes:?}");
     assert_eq!(triggers.len(), 2, "{triggers:?}");
     partitions::init(&mut client, 0).await.unwrap();

@@ -4,7 +4,7 @@
 -- a live one). Runs in one transaction; fails and changes nothing if the outbox
 -- has rows or is already partitioned.
 --
--- Same columns, indexes and triggers as migrations 0001 and 0003, with two
+-- Same columns, indexes and triggers as migrations 0001, 0003 and 0004, with two
 -- differences forced by partitioning:
 --   * the primary key is (id, created_at): a partitioned table's unique
 --     constraints must contain the partition key;
@@ -44,10 +44,14 @@ CREATE TABLE outbox (
     dead_lettered_at timestamptz,
     last_error       text,
     partition_key    text         NOT NULL,
+    shard            smallint     NOT NULL,
     PRIMARY KEY (id, created_at)
 ) PARTITION BY RANGE (created_at);
 
--- The indexes of 0001 and 0003; each partition gets its own copy.
+-- The indexes of 0001, 0003 and 0004; each partition gets its own copy.
+CREATE INDEX outbox_shard_ready_idx
+    ON outbox (shard, available_at, id)
+    WHERE published_at IS NULL AND dead_lettered_at IS NULL;
 CREATE INDEX outbox_ready_idx
     ON outbox (available_at, id)
     WHERE published_at IS NULL AND dead_lettered_at IS NULL;
@@ -104,7 +108,8 @@ END
 $$;
 
 -- Row triggers on a partitioned table are cloned onto every partition.
--- outbox_fill_defaults() and outbox_notify() come from migration 0001.
+-- outbox_fill_defaults() (0004: partition key and shard) and outbox_notify()
+-- (0001) come from the migrations.
 CREATE TRIGGER outbox_fill_defaults
     BEFORE INSERT ON outbox
     FOR EACH ROW EXECUTE FUNCTION outbox_fill_defaults();

@@ -25,6 +25,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "ops",
         sql: include_str!("../../migrations/0003_ops.sql"),
     },
+    Migration {
+        version: 4,
+        name: "shards",
+        sql: include_str!("../../migrations/0004_shards.sql"),
+    },
 ];
 
 /// Arbitrary, fixed: "outbox-relay migrate" as an advisory lock key.

@@ -6,6 +6,7 @@
 pub mod metric_names;
 pub mod partitions;
 pub mod prune;
+pub mod shards;
 pub mod stats;
 
 pub use metric_names::METRIC_NAMES;

@@ -25,9 +25,9 @@ pub fn config_toml(db: &TestDb, sink_url: &str, routes: &str) -> String {
         r#"
         [database]
         url = "{db}"
-        pool_size = 6
+        pool_size = 12
         [relay]
-        shards = 2
+        shards = 8
         publishers = 3
         claim_batch = 200
         max_in_flight = 1000

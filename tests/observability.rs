@@ -1011,3 +1011,87 @@ async fn json_logs_hide_secrets_and_warn_once_per_dead_letter() {
         "dead letter warnings {warned:?} vs dead rows {dead:?}"
     );
 }
+
+/// An event scheduled for later (`available_at` ahead) is not late: it must
+/// neither make the relay unready nor count as the oldest pending event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scheduled_event_is_not_lag() {
+    let db = TestDb::new().await.unwrap();
+    let sink = TestSink::start(common::TOKEN).await;
+    let mut later = event(0, "order:later");
+    later.available_at = Some(chrono::Utc::now() + chrono::Duration::hours(1));
+    insert(&db, &[later]).await;
+    let relay = RelayProcess::start(&db, &sink, &Settings::new(5), &[], "warn").await;
+    // ready_max_pending_age is 1 s and the sampler runs every 200 ms: watch
+    // until the row is three times that old by the database's clock.
+    let age = || async {
+        db.client()
+            .await
+            .unwrap()
+            .query_one(
+                "SELECT extract(epoch FROM now() - created_at)::float8 FROM outbox",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, f64>(0)
+    };
+    let poll = Poll::new(Duration::from_secs(30));
+    while age().await < 3.0 {
+        let (status, body) = readyz(&relay).await;
+        assert_eq!(status, 200, "unready because of a scheduled event: {body}");
+        assert!(poll.again().await);
+    }
+    let (status, body) = readyz(&relay).await;
+    assert_eq!(status, 200, "{body}");
+    let m = relay.scrape().await;
+    assert_eq!(m.value(names::BACKLOG), Some(1.0), "it is still pending");
+    assert_eq!(m.value(names::OLDEST_PENDING_AGE_SECONDS), Some(0.0));
+    assert!(sink.received().is_empty(), "delivered before its time");
+}
+
+/// The age behind the gauge and `/readyz`, row kind by row kind.
+#[tokio::test]
+async fn the_oldest_pending_age_counts_from_when_a_row_became_deliverable() {
+    use outbox_relay::ops::stats::snapshot;
+    let db = TestDb::new().await.unwrap();
+    let client = db.client().await.unwrap();
+    // created, available (both seconds from now), attempt_count
+    let row = |key: &str, created: f64, available: f64, attempts: i32| {
+        let client = &client;
+        let key = key.to_owned();
+        async move {
+            client
+                .query_one(
+                    "INSERT INTO outbox (tenant_id, aggregate_type, aggregate_id, event_type, payload,
+                                         idempotency_key, created_at, available_at, attempt_count)
+                     VALUES (gen_random_uuid(), 'order', $1, 'order.placed', '{}', $1,
+                             now() + make_interval(secs => $2), now() + make_interval(secs => $3), $4)
+                     RETURNING id",
+                    &[&key, &created, &available, &attempts],
+                )
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+        }
+    };
+    let age = || async { snapshot(&client).await.unwrap().oldest_pending_age_seconds };
+    // Scheduled an hour ahead ten minutes ago, never tried: not late at all.
+    row("scheduled", -600.0, 3600.0, 0).await;
+    assert_eq!(age().await, 0.0);
+    // Replayed a minute ago (a day-old dead letter): late by a minute.
+    let replayed = row("replayed", -86_400.0, -60.0, 0).await;
+    assert!((60.0..90.0).contains(&age().await), "{}", age().await);
+    // Failed twice and backing off: late since it was created.
+    let failing = row("failing", -300.0, 30.0, 2).await;
+    assert!((300.0..330.0).contains(&age().await), "{}", age().await);
+    client
+        .execute(
+            "UPDATE outbox SET published_at = now() WHERE id = ANY($1)",
+            &[&vec![replayed, failing]],
+        )
+        .await
+        .unwrap();
+    let snap = snapshot(&client).await.unwrap();
+    assert_eq!((snap.backlog, snap.oldest_pending_age_seconds), (1, 0.0));
+}

@@ -496,17 +496,15 @@ const METRICS_MAX_ATTEMPTS: u32 = 4;
 /// What the sink answers to event `n` on its `attempt`-th arrival (0 first).
 fn metrics_rule(n: usize, attempt: u32) -> Reply {
     if REJECTED.contains(&n) {
-        Reply::Status(400, None)
-    } else if EXHAUSTED.contains(&n) {
-        Reply::Status(503, None)
-    } else if n % 10 == 0 && attempt < 1 {
-        Reply::Status(503, None)
-    } else if n % 10 == 1 && attempt < 2 {
-        Reply::Status(500, None)
-    } else if n % 10 == 2 && attempt < 1 {
-        Reply::Status(429, None)
-    } else {
-        Reply::Accept
+        return Reply::Status(400, None);
+    }
+    // Exhausted ones fail every time; others fail their first attempt(s).
+    let fails = EXHAUSTED.contains(&n) || attempt < [1, 2, 1].get(n % 10).copied().unwrap_or(0);
+    match (fails, n % 10) {
+        (false, _) => Reply::Accept,
+        (true, 1) => Reply::Status(500, None),
+        (true, 2) => Reply::Status(429, None),
+        (true, _) => Reply::Status(503, None),
     }
 }
 
@@ -1036,6 +1034,16 @@ async fn a_scheduled_event_is_not_lag() {
             .unwrap()
             .get::<_, f64>(0)
     };
+    // Ready once the first sample is taken ...
+    let poll = Poll::new(Duration::from_secs(10));
+    while readyz(&relay).await.0 != 200 {
+        assert!(
+            poll.again().await,
+            "never ready: {:?}",
+            readyz(&relay).await
+        );
+    }
+    // ... and stays ready.
     let poll = Poll::new(Duration::from_secs(30));
     while age().await < 3.0 {
         let (status, body) = readyz(&relay).await;

@@ -8,6 +8,11 @@
 //!
 //! Definitions (the same words as the metrics in `docs/operations.md`):
 //! - *pending*: `published_at IS NULL AND dead_lettered_at IS NULL`.
+//! - *age* of a pending row: how long it has been deliverable, from
+//!   `created_at`, or from `available_at` when that is later and no attempt was
+//!   made yet (an event scheduled ahead, a replayed dead letter). A row
+//!   scheduled for later and never tried has no age yet: it is not late. A row
+//!   backing off after a failed attempt keeps its age from `created_at`.
 //! - *flapping*: pending with `attempt_count >` [`FLAPPING_ATTEMPTS`].
 //! - *stuck lease*: pending, its lease ended (`locked_until < now()`) and it is
 //!   due (`available_at <= now()`), i.e. a relay claimed it and neither marked
@@ -30,7 +35,8 @@ pub struct Snapshot {
     /// The database's `now()` when sampled; ages are measured from it.
     pub sampled_at: DateTime<Utc>,
     pub backlog: i64,
-    /// `now() - created_at` of the oldest pending row; 0 with no backlog.
+    /// The age (see the module docs) of the oldest pending row; 0 when none is
+    /// due or has failed an attempt.
     pub oldest_pending_age_seconds: f64,
     pub dead_letters: i64,
     pub flapping: i64,
@@ -54,7 +60,7 @@ pub struct MinuteBucket {
 pub struct EventTypeStats {
     pub event_type: String,
     pub pending: i64,
-    /// `None` when nothing of this type is pending.
+    /// `None` when nothing of this type is pending and due (or failing).
     pub oldest_pending_age_seconds: Option<f64>,
     pub dead: i64,
     /// Within the same window as [`Stats::published_per_minute`].
@@ -75,23 +81,19 @@ pub struct Stats {
 /// Buckets in [`Stats::published_per_minute`].
 pub const MINUTES: usize = 60;
 
-// `oldest` reads one entry of outbox_pending_age_idx; `pending` and `dead` walk
-// their partial indexes (and the heap rows of pending ones, for attempt_count
-// and locked_until). pg_partition_tree() lists a partitioned outbox's
-// partitions and nothing for a plain table, hence the `relid =` as well.
+// `pending` and `dead` walk their partial indexes (and the heap rows of pending
+// ones, for attempt_count, locked_until and available_at, which the age needs
+// too). pg_partition_tree() lists a partitioned outbox's partitions and nothing
+// for a plain table, hence the `relid =` as well.
 const SNAPSHOT_SQL: &str = "
 WITH pending AS (
     SELECT count(*) AS backlog,
            count(*) FILTER (WHERE attempt_count > $1::int4) AS flapping,
-           count(*) FILTER (WHERE locked_until < now() AND available_at <= now()) AS stuck_leases
+           count(*) FILTER (WHERE locked_until < now() AND available_at <= now()) AS stuck_leases,
+           min(CASE WHEN attempt_count = 0 THEN greatest(created_at, available_at) ELSE created_at END)
+               FILTER (WHERE attempt_count > 0 OR available_at <= now()) AS oldest
     FROM outbox
     WHERE published_at IS NULL AND dead_lettered_at IS NULL
-), oldest AS (
-    SELECT created_at
-    FROM outbox
-    WHERE published_at IS NULL AND dead_lettered_at IS NULL
-    ORDER BY created_at
-    LIMIT 1
 ), dead AS (
     SELECT count(*) AS dead_letters FROM outbox WHERE dead_lettered_at IS NOT NULL
 ), tuples AS (
@@ -102,7 +104,7 @@ WITH pending AS (
 )
 SELECT now(),
        pending.backlog,
-       coalesce(greatest(extract(epoch FROM now() - (SELECT created_at FROM oldest)), 0), 0)::float8,
+       coalesce(greatest(extract(epoch FROM now() - pending.oldest), 0), 0)::float8,
        dead.dead_letters,
        pending.flapping,
        pending.stuck_leases,
@@ -126,7 +128,9 @@ ORDER BY m.minute";
 
 const PER_EVENT_TYPE_SQL: &str = "
 WITH pending AS (
-    SELECT event_type, count(*) AS pending, min(created_at) AS oldest
+    SELECT event_type, count(*) AS pending,
+           min(CASE WHEN attempt_count = 0 THEN greatest(created_at, available_at) ELSE created_at END)
+               FILTER (WHERE attempt_count > 0 OR available_at <= now()) AS oldest
     FROM outbox
     WHERE published_at IS NULL AND dead_lettered_at IS NULL
     GROUP BY event_type

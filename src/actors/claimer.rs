@@ -219,7 +219,10 @@ async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerSt
         }
     };
     counter!(m::CLAIMS).increment(1);
-    histogram!(m::BATCH_SIZE).record(rows.len() as f64);
+    if !rows.is_empty() {
+        // Idle polls would drown "rows per claim" in zeros.
+        histogram!(m::BATCH_SIZE).record(rows.len() as f64);
+    }
     shared
         .counters
         .claimed

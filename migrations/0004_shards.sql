@@ -28,3 +28,11 @@ $$;
 CREATE INDEX outbox_shard_ready_idx
     ON outbox (shard, available_at, id)
     WHERE published_at IS NULL AND dead_lettered_at IS NULL;
+
+-- Per-key ordering: the head of each key (its oldest undelivered row) is found
+-- by skipping from key to key through this index, so an ordered claim costs
+-- O(keys in the shard), not O(rows waiting behind them).
+CREATE INDEX outbox_shard_key_idx
+    ON outbox (shard, partition_key, id)
+    WHERE published_at IS NULL AND dead_lettered_at IS NULL;
+DROP INDEX outbox_pending_key_idx;

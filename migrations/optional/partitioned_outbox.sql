@@ -58,8 +58,8 @@ CREATE INDEX outbox_ready_idx
 CREATE INDEX outbox_pending_age_idx
     ON outbox (created_at)
     WHERE published_at IS NULL AND dead_lettered_at IS NULL;
-CREATE INDEX outbox_pending_key_idx
-    ON outbox (partition_key, id)
+CREATE INDEX outbox_shard_key_idx
+    ON outbox (shard, partition_key, id)
     WHERE published_at IS NULL AND dead_lettered_at IS NULL;
 CREATE INDEX outbox_dead_idx
     ON outbox (dead_lettered_at)

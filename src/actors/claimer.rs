@@ -48,22 +48,54 @@ RETURNING o.id, o.tenant_id, o.aggregate_type, o.aggregate_id, o.event_type,
           o.payload::text, o.headers::text, o.idempotency_key, o.partition_key,
           o.created_at, o.attempt_count, o.available_at";
 
-/// The same, but a row whose type goes to an ordered route (`$6`, LIKE
-/// patterns) is only claimable while no older row of its key is undelivered:
-/// never two of a key in flight, and a failing event holds its key back.
-pub const CLAIM_ORDERED_SQL: &str = "WITH claimable AS (
+/// Ordered routes: claims up to `$1` key heads of shard `$3` — each key's
+/// oldest undelivered row — whose type goes to an ordered route (`$4`, LIKE
+/// patterns) and which are due and not leased. A key whose head is in flight
+/// or waiting for a retry has nothing claimable: never two of a key in flight,
+/// and a failing event holds its key back. The recursive part skips from key
+/// to key through `outbox_shard_key_idx` (a loose index scan).
+pub const CLAIM_HEADS_SQL: &str = "WITH RECURSIVE heads (partition_key, id) AS (
+    (SELECT partition_key, id FROM outbox
+     WHERE shard = $3 AND published_at IS NULL AND dead_lettered_at IS NULL
+     ORDER BY partition_key, id
+     LIMIT 1)
+    UNION ALL
+    SELECT next.partition_key, next.id
+    FROM heads, LATERAL (
+        SELECT partition_key, id FROM outbox
+        WHERE shard = $3 AND published_at IS NULL AND dead_lettered_at IS NULL
+          AND partition_key > heads.partition_key
+        ORDER BY partition_key, id
+        LIMIT 1) AS next
+), claimable AS (
+    SELECT o.id FROM outbox AS o JOIN heads ON o.id = heads.id
+    WHERE o.published_at IS NULL AND o.dead_lettered_at IS NULL
+      AND o.available_at <= now()
+      AND (o.locked_until IS NULL OR o.locked_until < now())
+      AND o.event_type LIKE ANY ($4)
+    ORDER BY o.available_at, o.id
+    LIMIT $1
+    FOR UPDATE OF o SKIP LOCKED
+)
+UPDATE outbox AS o
+SET locked_until = now() + $2 * interval '1 millisecond',
+    attempt_count = o.attempt_count + 1
+FROM claimable
+WHERE o.id = claimable.id
+RETURNING o.id, o.tenant_id, o.aggregate_type, o.aggregate_id, o.event_type,
+          o.payload::text, o.headers::text, o.idempotency_key, o.partition_key,
+          o.created_at, o.attempt_count, o.available_at";
+
+/// When some routes are ordered and others are not: the plain claim for the
+/// types no ordered route takes (`$6`).
+pub const CLAIM_UNORDERED_TYPES_SQL: &str = "WITH claimable AS (
     SELECT id FROM outbox
     WHERE shard = $3
       AND published_at IS NULL AND dead_lettered_at IS NULL
       AND available_at <= now()
       AND (available_at, id) > ($4, $5)
       AND (locked_until IS NULL OR locked_until < now())
-      AND NOT (event_type LIKE ANY ($6) AND EXISTS (
-            SELECT 1 FROM outbox AS earlier
-            WHERE earlier.partition_key = outbox.partition_key
-              AND earlier.id < outbox.id
-              AND earlier.published_at IS NULL
-              AND earlier.dead_lettered_at IS NULL))
+      AND NOT (event_type LIKE ANY ($6))
     ORDER BY shard, available_at, id
     LIMIT $1
     FOR UPDATE SKIP LOCKED
@@ -84,7 +116,8 @@ const CLAIM_TYPES: &[Type] = &[
     Type::TIMESTAMPTZ,
     Type::INT8,
 ];
-const CLAIM_ORDERED_TYPES: &[Type] = &[
+const CLAIM_HEADS_TYPES: &[Type] = &[Type::INT8, Type::INT8, Type::INT2, Type::TEXT_ARRAY];
+const CLAIM_UNORDERED_TYPES_TYPES: &[Type] = &[
     Type::INT8,
     Type::INT8,
     Type::INT2,
@@ -129,8 +162,10 @@ pub struct ClaimerState {
     /// claim of a burst starts after it. Reset whenever a claim comes back short.
     cursor: (DateTime<Utc>, i64),
     shared: Arc<Shared>,
-    conn: Option<(PooledConn, Statement)>,
+    conn: Option<Connected>,
     ordered_patterns: Vec<String>,
+    /// An ordered route takes every type (`*`): there is no plain claim to run.
+    all_ordered: bool,
     claim_queued: bool,
     idle_generation: u64,
     failures: u32,
@@ -147,6 +182,7 @@ impl Actor for Claimer {
         args: ClaimerArgs,
     ) -> Result<ClaimerState, ActorProcessingErr> {
         let ordered_patterns = args.shared.router.ordered_like_patterns();
+        let all_ordered = ordered_patterns.iter().any(|p| p == "%");
         myself.cast(ClaimerMsg::Claim)?;
         Ok(ClaimerState {
             shard: args.shard as i16,
@@ -154,6 +190,7 @@ impl Actor for Claimer {
             shared: args.shared,
             conn: None,
             ordered_patterns,
+            all_ordered,
             claim_queued: true,
             idle_generation: 0,
             failures: 0,
@@ -281,6 +318,15 @@ async fn take_permits(shared: &Shared, batch: usize) -> Option<OwnedSemaphorePer
     Some(permit)
 }
 
+/// A claimer's connection and the statements it prepared on it.
+pub struct Connected {
+    conn: PooledConn,
+    /// The plain claim (all types, or the types no ordered route takes).
+    plain: Option<Statement>,
+    /// The key-head claim, when a route is ordered.
+    heads: Option<Statement>,
+}
+
 /// The claimed rows with their `available_at` (for the cursor), in id order.
 async fn claim(
     state: &mut ClaimerState,
@@ -289,37 +335,60 @@ async fn claim(
     let ordered = !state.ordered_patterns.is_empty();
     if state.conn.is_none() {
         let conn = state.shared.pool.get_owned().await?;
-        let stmt = if ordered {
-            conn.prepare_typed(CLAIM_ORDERED_SQL, CLAIM_ORDERED_TYPES)
+        let plain = match (ordered, state.all_ordered) {
+            (false, _) => Some(conn.prepare_typed(CLAIM_SQL, CLAIM_TYPES).await?),
+            (true, false) => Some(
+                conn.prepare_typed(CLAIM_UNORDERED_TYPES_SQL, CLAIM_UNORDERED_TYPES_TYPES)
+                    .await?,
+            ),
+            (true, true) => None,
+        };
+        let heads = if ordered {
+            Some(conn.prepare_typed(CLAIM_HEADS_SQL, CLAIM_HEADS_TYPES).await?)
+        } else {
+            None
+        };
+        state.conn = Some(Connected { conn, plain, heads });
+    }
+    let c = state.conn.as_ref().expect("connected above");
+    let lease_ms = state.shared.config.relay.lease.as_millis() as i64;
+    let mut rows = Vec::new();
+    if let Some(heads) = &c.heads {
+        rows.extend(
+            c.conn
+                .query(
+                    heads,
+                    &[&limit, &lease_ms, &state.shard, &state.ordered_patterns],
+                )
+                .await?,
+        );
+    }
+    let rest = limit - rows.len() as i64;
+    if let (Some(plain), true) = (&c.plain, rest > 0) {
+        let (after_available, after_id) = state.cursor;
+        rows.extend(if ordered {
+            c.conn
+                .query(
+                    plain,
+                    &[
+                        &rest,
+                        &lease_ms,
+                        &state.shard,
+                        &after_available,
+                        &after_id,
+                        &state.ordered_patterns,
+                    ],
+                )
                 .await?
         } else {
-            conn.prepare_typed(CLAIM_SQL, CLAIM_TYPES).await?
-        };
-        state.conn = Some((conn, stmt));
+            c.conn
+                .query(
+                    plain,
+                    &[&rest, &lease_ms, &state.shard, &after_available, &after_id],
+                )
+                .await?
+        });
     }
-    let (conn, stmt) = state.conn.as_ref().expect("connected above");
-    let lease_ms = state.shared.config.relay.lease.as_millis() as i64;
-    let (after_available, after_id) = state.cursor;
-    let rows = if ordered {
-        conn.query(
-            stmt,
-            &[
-                &limit,
-                &lease_ms,
-                &state.shard,
-                &after_available,
-                &after_id,
-                &state.ordered_patterns,
-            ],
-        )
-        .await?
-    } else {
-        conn.query(
-            stmt,
-            &[&limit, &lease_ms, &state.shard, &after_available, &after_id],
-        )
-        .await?
-    };
     let mut out: Vec<(OutboxRow, DateTime<Utc>)> = rows
         .iter()
         .map(|r| {

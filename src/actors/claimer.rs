@@ -356,7 +356,10 @@ async fn claim(
             (true, true) => None,
         };
         let heads = if ordered {
-            Some(conn.prepare_typed(CLAIM_HEADS_SQL, CLAIM_HEADS_TYPES).await?)
+            Some(
+                conn.prepare_typed(CLAIM_HEADS_SQL, CLAIM_HEADS_TYPES)
+                    .await?,
+            )
         } else {
             None
         };

@@ -241,6 +241,8 @@ async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerSt
         return;
     };
     let wanted = permit.num_permits();
+    // Measured before the statement: the database's lease ends no earlier.
+    let expires = std::time::Instant::now() + shared.config.relay.lease;
     let rows = match claim(state, wanted as i64).await {
         Ok(rows) => {
             state.failures = 0;
@@ -286,7 +288,13 @@ async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerSt
     let mut leases = Vec::with_capacity(got);
     for row in &rows {
         let one = permit.split(1).expect("one permit per claimed row");
-        leases.push(Lease::new(row.id, row.attempt, one, &shared.in_flight));
+        leases.push(Lease::new(
+            row.id,
+            row.attempt,
+            expires,
+            one,
+            &shared.in_flight,
+        ));
     }
     drop(permit); // permits for rows we did not get go back
     gauge!(m::IN_FLIGHT).set(shared.in_flight_count() as f64);

@@ -133,6 +133,9 @@ impl InFlight {
 pub struct Lease {
     pub id: i64,
     pub attempt: i32,
+    /// When the database lets another claim take the row (as this process
+    /// sees it: the claim's start plus the lease).
+    pub expires: std::time::Instant,
     _permit: OwnedSemaphorePermit,
     in_flight: Arc<InFlight>,
 }
@@ -141,6 +144,7 @@ impl Lease {
     pub fn new(
         id: i64,
         attempt: i32,
+        expires: std::time::Instant,
         permit: OwnedSemaphorePermit,
         in_flight: &Arc<InFlight>,
     ) -> Lease {
@@ -152,6 +156,7 @@ impl Lease {
         Lease {
             id,
             attempt,
+            expires,
             _permit: permit,
             in_flight: Arc::clone(in_flight),
         }

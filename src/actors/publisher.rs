@@ -63,6 +63,13 @@ impl Actor for Publisher {
                 panic!("injected publisher fault on row {}", row.id);
             }
         }
+        // A row that waited here past its lease may already be another claim's:
+        // publishing it now would only make a duplicate whose mark is refused.
+        // Drop it; its new claim (or the next) delivers it.
+        let (rows, leases) = drop_expired(rows, leases, shared.config.http.request_timeout);
+        if rows.is_empty() {
+            return Ok(());
+        }
         let route = &shared.router.routes()[route];
         let outcomes = shared.sinks.deliver(route, &rows).await;
         let marked = rows
@@ -78,6 +85,28 @@ impl Actor for Publisher {
         send_to_marker(&shared, marked);
         Ok(())
     }
+}
+
+/// Keeps the rows whose lease outlasts a whole request started now, so no row
+/// is ever being published after another claim may have taken it.
+fn drop_expired(
+    rows: Vec<OutboxRow>,
+    leases: Vec<Lease>,
+    request_timeout: std::time::Duration,
+) -> (Vec<OutboxRow>, Vec<Lease>) {
+    let cutoff = std::time::Instant::now() + request_timeout;
+    if leases.iter().all(|l| l.expires > cutoff) {
+        return (rows, leases);
+    }
+    let (kept, expired): (Vec<_>, Vec<_>) = rows
+        .into_iter()
+        .zip(leases)
+        .partition(|(_, lease)| lease.expires > cutoff);
+    tracing::warn!(
+        rows = expired.len(),
+        "rows waited for a publisher longer than their lease; skipped (raise relay.lease or lower relay.max_in_flight)"
+    );
+    kept.into_iter().unzip()
 }
 
 /// Turns a sink's outcome into what the marker writes: a retry on the last

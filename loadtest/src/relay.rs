@@ -26,21 +26,101 @@ pub enum RelayError {
     Io(#[from] std::io::Error),
 }
 
-/// The `outbox-relay` next to the running binary (`target/<profile>/`), also
-/// when the running binary is a test in `target/<profile>/deps/`.
-pub fn default_relay_bin() -> PathBuf {
-    let exe = std::env::current_exe().unwrap_or_default();
-    let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+/// The hidden subcommand of the `loadtest` binary that runs the relay engine
+/// (`outbox_relay::run_until_signal`, the daemon `outbox-relay run` runs) in
+/// that process: `loadtest embedded-relay migrate|run --config <file>`.
+pub const EMBEDDED_RELAY_SUBCOMMAND: &str = "embedded-relay";
+
+/// A program that behaves as `outbox-relay`: `<bin> <args…> migrate` and
+/// `<bin> <args…> run --config <file>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RelayProgram {
+    pub bin: PathBuf,
+    /// Put before `migrate` / `run` (the embedded relay's subcommand).
+    pub args: Vec<String>,
+}
+
+impl RelayProgram {
+    /// The `outbox-relay` binary at `bin`.
+    pub fn binary(bin: impl Into<PathBuf>) -> Self {
+        RelayProgram {
+            bin: bin.into(),
+            args: Vec::new(),
+        }
+    }
+
+    /// The relay engine run by a `loadtest` binary (always built from the
+    /// same sources as the harness, so never stale or missing).
+    pub fn embedded(loadtest_bin: impl Into<PathBuf>) -> Self {
+        RelayProgram {
+            bin: loadtest_bin.into(),
+            args: vec![EMBEDDED_RELAY_SUBCOMMAND.to_owned()],
+        }
+    }
+
+    pub fn is_embedded(&self) -> bool {
+        !self.args.is_empty()
+    }
+
+    pub fn describe(&self) -> String {
+        if self.is_embedded() {
+            format!(
+                "{} {} (embedded relay engine)",
+                self.bin.display(),
+                self.args.join(" ")
+            )
+        } else {
+            self.bin.display().to_string()
+        }
+    }
+}
+
+/// The relay for a run when none is named: the `outbox-relay` built next to
+/// `loadtest_bin` (`target/<profile>/`) when it exists and is not older than
+/// the `outbox_relay` library it was linked from, else the relay engine
+/// embedded in `loadtest_bin`.
+pub fn locate_relay(loadtest_bin: &Path) -> RelayProgram {
+    let mut dir = loadtest_bin
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default();
     if dir.file_name().is_some_and(|n| n == "deps") {
         dir.pop();
     }
-    dir.join("outbox-relay")
+    let sibling = dir.join("outbox-relay");
+    match sibling_is_current(&sibling, &dir.join("deps")) {
+        true => RelayProgram::binary(sibling),
+        false => RelayProgram::embedded(loadtest_bin),
+    }
+}
+
+/// `bin` exists and no `liboutbox_relay-*.rlib` in `deps` is newer than it
+/// (a newer library means the binary was not rebuilt since the engine changed).
+fn sibling_is_current(bin: &Path, deps: &Path) -> bool {
+    let mtime = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let Some(bin_time) = mtime(bin) else {
+        return false;
+    };
+    let newest_lib = std::fs::read_dir(deps)
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter(|e| {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            name.starts_with("liboutbox_relay-") && name.ends_with(".rlib")
+        })
+        .filter_map(|e| mtime(&e.path()))
+        .max();
+    newest_lib.is_none_or(|lib| lib <= bin_time)
 }
 
 /// How to start the relay.
 #[derive(Debug, Clone)]
 pub struct RelayCommand {
     pub bin: PathBuf,
+    /// Arguments before the subcommand (see [`RelayProgram::args`]).
+    pub args: Vec<String>,
     pub config: PathBuf,
     pub database_url: String,
     pub qstash_url: String,
@@ -52,7 +132,8 @@ pub struct RelayCommand {
 impl RelayCommand {
     fn command(&self, args: &[&str]) -> Result<Command, RelayError> {
         let mut c = Command::new(&self.bin);
-        c.args(args)
+        c.args(&self.args)
+            .args(args)
             .env("DATABASE_URL", &self.database_url)
             .env("QSTASH_URL", &self.qstash_url)
             .env("QSTASH_TOKEN", &self.qstash_token)

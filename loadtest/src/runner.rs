@@ -23,7 +23,7 @@ use tokio::sync::{watch, Mutex};
 
 use crate::procstat::UsageTracker;
 use crate::producer::{self, ProduceProgress, ProduceStats, APPLICATION_NAME};
-use crate::relay::{RelayCommand, RelayError, RelayProcess};
+use crate::relay::{RelayCommand, RelayError, RelayProcess, RelayProgram};
 use crate::report::{ChaosStats, Report, ReportInput};
 use crate::scenario::{relay_config_toml, ChaosSpec, Scenario, ScenarioKind};
 use crate::sink::{Sink, SinkConfig};
@@ -54,7 +54,8 @@ fn setup(context: &str) -> impl Fn(&dyn std::fmt::Display) -> RunError + '_ {
 pub struct RunOptions {
     /// A server to create the run's database on; a throwaway cluster when `None`.
     pub database_url: Option<String>,
-    pub relay_bin: PathBuf,
+    /// The relay under test.
+    pub relay: RelayProgram,
     /// `relay.toml`, `relay.log`, `report.json`, `report.svg` go here.
     pub out_dir: PathBuf,
     /// Leave the run's database in place (its URL is printed).
@@ -68,7 +69,7 @@ impl RunOptions {
     pub fn new(out_dir: impl Into<PathBuf>) -> Self {
         RunOptions {
             database_url: None,
-            relay_bin: crate::relay::default_relay_bin(),
+            relay: crate::relay::locate_relay(&std::env::current_exe().unwrap_or_default()),
             out_dir: out_dir.into(),
             keep_database: false,
             progress: true,
@@ -207,7 +208,8 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
         relay_config_toml(s, sink.addr().port(), free_port()?)?,
     )?;
     let cmd = RelayCommand {
-        bin: opts.relay_bin.clone(),
+        bin: opts.relay.bin.clone(),
+        args: opts.relay.args.clone(),
         config: config_path,
         database_url: db.url.clone(),
         qstash_url: sink.url(),

@@ -76,10 +76,11 @@ impl RelayProgram {
 }
 
 /// The relay for a run when none is named: the `outbox-relay` built next to
-/// `loadtest_bin` (`target/<profile>/`) when it exists and is not older than
-/// the `outbox_relay` library it was linked from, else the relay engine
-/// embedded in `loadtest_bin`.
-pub fn locate_relay(loadtest_bin: &Path) -> RelayProgram {
+/// `loadtest_bin` (`target/<profile>/`, also seen from `target/<profile>/deps/`)
+/// when it exists and, if the engine's `sources` (the workspace root) are at
+/// hand, no source file is newer than it; else the relay engine embedded in
+/// `loadtest_bin`, which is built from the same sources as the harness.
+pub fn locate_relay(loadtest_bin: &Path, sources: Option<&Path>) -> RelayProgram {
     let mut dir = loadtest_bin
         .parent()
         .map(Path::to_path_buf)
@@ -88,31 +89,47 @@ pub fn locate_relay(loadtest_bin: &Path) -> RelayProgram {
         dir.pop();
     }
     let sibling = dir.join("outbox-relay");
-    match sibling_is_current(&sibling, &dir.join("deps")) {
-        true => RelayProgram::binary(sibling),
-        false => RelayProgram::embedded(loadtest_bin),
+    let current = mtime(&sibling).is_some_and(|built| {
+        sources
+            .and_then(newest_source)
+            .is_none_or(|newest| newest <= built)
+    });
+    if current {
+        RelayProgram::binary(sibling)
+    } else {
+        RelayProgram::embedded(loadtest_bin)
     }
 }
 
-/// `bin` exists and no `liboutbox_relay-*.rlib` in `deps` is newer than it
-/// (a newer library means the binary was not rebuilt since the engine changed).
-fn sibling_is_current(bin: &Path, deps: &Path) -> bool {
-    let mtime = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    let Some(bin_time) = mtime(bin) else {
-        return false;
-    };
-    let newest_lib = std::fs::read_dir(deps)
-        .into_iter()
-        .flatten()
-        .filter_map(Result::ok)
-        .filter(|e| {
-            let name = e.file_name();
-            let name = name.to_string_lossy();
-            name.starts_with("liboutbox_relay-") && name.ends_with(".rlib")
-        })
-        .filter_map(|e| mtime(&e.path()))
-        .max();
-    newest_lib.is_none_or(|lib| lib <= bin_time)
+/// The workspace root this harness was compiled from, if it is still there.
+pub fn compiled_sources() -> Option<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()?
+        .to_path_buf();
+    root.join("src/main.rs").is_file().then_some(root)
+}
+
+fn mtime(p: &Path) -> Option<std::time::SystemTime> {
+    std::fs::metadata(p).and_then(|m| m.modified()).ok()
+}
+
+/// The newest mtime of the engine's inputs: `Cargo.toml`, `Cargo.lock`,
+/// `src/**`, `migrations/**`.
+fn newest_source(root: &Path) -> Option<std::time::SystemTime> {
+    fn walk(p: &Path, newest: &mut Option<std::time::SystemTime>) {
+        if p.is_dir() {
+            for e in std::fs::read_dir(p).into_iter().flatten().flatten() {
+                walk(&e.path(), newest);
+            }
+        } else if let Some(t) = mtime(p) {
+            *newest = (*newest).max(Some(t));
+        }
+    }
+    let mut newest = None;
+    for part in ["Cargo.toml", "Cargo.lock", "src", "migrations"] {
+        walk(&root.join(part), &mut newest);
+    }
+    newest
 }
 
 /// How to start the relay.

@@ -23,7 +23,7 @@ const SCENARIO: &str = r#"
 name = "chaos-ci"
 kind = "chaos"
 ordering = "partition_key"
-drain_timeout = "4m"
+drain_timeout = "6m"
 
 [load]
 rate = 800.0
@@ -58,8 +58,13 @@ element_error = 0.01
 [relay_config.http]
 request_timeout = "2s"
 
+# The lease must outlast the wait of claimed rows in the publishers' queue
+# (a debug build on a loaded CI machine is slow): with lease = "5s" a debug
+# relay re-claimed rows still queued, every mark was fenced, and it livelocked.
 [relay_config.relay]
-lease = "5s"
+lease = "30s"
+claim_batch = 200
+max_in_flight = 2000
 backoff_base = "100ms"
 backoff_cap = "2s"
 max_attempts = 1000

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use loadtest::producer::{self, EventMix, LoadSpec, PreloadSpec, Skew};
+use loadtest::relay::RelayProgram;
 use loadtest::runner::{run_scenario, RunOptions};
 use loadtest::scenario::Scenario;
 use loadtest::sink::{DeliveryConfig, FaultConfig, Sink, SinkConfig, DEV_TOKEN};
@@ -23,6 +24,22 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// The whole thing on its own: a throwaway PostgreSQL (unless DATABASE_URL is
+    /// set), the sink in-process, the relay, a drain of a preloaded backlog, the report.
+    Demo {
+        /// Events to preload and drain.
+        #[arg(long, default_value_t = 20_000)]
+        events: u64,
+        /// A server to create the run's database on; a throwaway cluster when absent.
+        #[arg(long, env = "DATABASE_URL")]
+        database_url: Option<String>,
+        /// An `outbox-relay` binary to test; by default the relay engine built
+        /// into this binary runs as the child process.
+        #[arg(long)]
+        relay_bin: Option<PathBuf>,
+        #[arg(long, default_value = "target/loadtest")]
+        out: PathBuf,
+    },
     /// Serve the QStash-compatible sink until Ctrl-C, then print its stats.
     Sink(SinkArgs),
     /// Insert events through the producer API at a rate (or flat out).
@@ -60,7 +77,9 @@ enum Command {
         /// Server to create the run's database on; a throwaway cluster when absent.
         #[arg(long, env = "DATABASE_URL")]
         database_url: Option<String>,
-        /// The relay binary; default: `outbox-relay` next to this binary.
+        /// The relay binary, or `embedded` for the relay engine built into this
+        /// binary; default: `outbox-relay` next to this binary if it is at least
+        /// as new as the library, else `embedded`.
         #[arg(long)]
         relay_bin: Option<PathBuf>,
         /// Where relay.toml, relay.log, report.json and report.svg go.
@@ -70,6 +89,24 @@ enum Command {
         keep_database: bool,
         #[arg(long)]
         no_progress: bool,
+    },
+    /// The relay engine in this process, as `outbox-relay migrate|run` runs it
+    /// (what `--relay-bin embedded` starts as the child process).
+    #[command(hide = true, name = "embedded-relay")]
+    EmbeddedRelay {
+        #[command(subcommand)]
+        command: EmbeddedRelayCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum EmbeddedRelayCommand {
+    /// `outbox-relay migrate`: the schema in DATABASE_URL.
+    Migrate,
+    /// `outbox-relay run --config <file>`: until SIGTERM or SIGINT.
+    Run {
+        #[arg(long)]
+        config: PathBuf,
     },
 }
 
@@ -178,14 +215,19 @@ impl SinkArgs {
 }
 
 fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // The embedded relay logs as `outbox-relay` does (OUTBOX_RELAY_LOG, info).
+    let (var, default) = match cli.command {
+        Command::EmbeddedRelay { .. } => ("OUTBOX_RELAY_LOG", "info"),
+        _ => ("LOADTEST_LOG", "warn"),
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("LOADTEST_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            tracing_subscriber::EnvFilter::try_from_env(var)
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default)),
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -288,8 +330,9 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             opts.keep_database = keep_database;
             opts.progress = !no_progress;
             if let Some(bin) = relay_bin {
-                opts.relay_bin = bin;
+                opts.relay = relay_program(bin)?;
             }
+            eprintln!("relay: {}", opts.relay.describe());
             let report = run_scenario(&scenario, &opts).await?;
             print!("{}", report.table());
             println!("report: {}", opts.out_dir.join("report.json").display());
@@ -299,5 +342,93 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 ExitCode::FAILURE
             })
         }
+        Command::Demo {
+            events,
+            database_url,
+            relay_bin,
+            out,
+        } => {
+            let scenario = Scenario::from_toml_str(&demo_scenario(events))?;
+            let mut opts = RunOptions::new(out.join(&scenario.name));
+            opts.relay = match relay_bin {
+                Some(bin) => relay_program(bin)?,
+                None => RelayProgram::embedded(std::env::current_exe()?),
+            };
+            match &database_url {
+                Some(url) => eprintln!("database server: {}", redact(url)),
+                None => eprintln!(
+                    "database server: a throwaway PostgreSQL cluster (initdb + pg_ctl; set DATABASE_URL to use yours)"
+                ),
+            }
+            opts.database_url = database_url;
+            eprintln!("relay: {}", opts.relay.describe());
+            eprintln!("draining {events} preloaded events ...");
+            let report = run_scenario(&scenario, &opts).await?;
+            print!("{}", report.table());
+            println!("report: {}", opts.out_dir.join("report.json").display());
+            Ok(if report.passed {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
+        Command::EmbeddedRelay { command } => match command {
+            EmbeddedRelayCommand::Migrate => {
+                let config = outbox_relay::Config::load(None)?;
+                let mut client = outbox_relay::db::connect(&config.database.url).await?;
+                let report = outbox_relay::db::migrate::run(&mut client).await?;
+                println!("applied migrations {:?}", report.applied);
+                Ok(ExitCode::SUCCESS)
+            }
+            EmbeddedRelayCommand::Run { config } => {
+                let config = outbox_relay::Config::load(Some(&config))?;
+                outbox_relay::run_until_signal(config).await?;
+                Ok(ExitCode::SUCCESS)
+            }
+        },
     }
+}
+
+/// `embedded`, or a path to an `outbox-relay` binary.
+fn relay_program(bin: PathBuf) -> anyhow::Result<RelayProgram> {
+    if bin.as_os_str() == "embedded" {
+        return Ok(RelayProgram::embedded(std::env::current_exe()?));
+    }
+    anyhow::ensure!(bin.is_file(), "no relay binary at {}", bin.display());
+    Ok(RelayProgram::binary(bin))
+}
+
+/// The URL without its password.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let userinfo = &url[s + 3..at];
+            let user = userinfo.split(':').next().unwrap_or("");
+            format!("{}{user}@{}", &url[..s + 3], &url[at + 1..])
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// A short drain: `events` preloaded with COPY, then the relay empties the outbox.
+fn demo_scenario(events: u64) -> String {
+    format!(
+        r#"
+name = "demo"
+description = "{events} events preloaded; relay started; time until the outbox is empty"
+kind = "drain"
+ordering = "none"
+drain_timeout = "10m"
+
+[preload]
+events = {events}
+connections = 2
+tenants = 10
+partition_keys = 1000
+
+[relay_config.relay]
+claim_batch = 1000
+max_in_flight = 10000
+"#
+    )
 }

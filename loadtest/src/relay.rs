@@ -26,21 +26,118 @@ pub enum RelayError {
     Io(#[from] std::io::Error),
 }
 
-/// The `outbox-relay` next to the running binary (`target/<profile>/`), also
-/// when the running binary is a test in `target/<profile>/deps/`.
-pub fn default_relay_bin() -> PathBuf {
-    let exe = std::env::current_exe().unwrap_or_default();
-    let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+/// The hidden subcommand of the `loadtest` binary that runs the relay engine
+/// (`outbox_relay::run_until_signal`, the daemon `outbox-relay run` runs) in
+/// that process: `loadtest embedded-relay migrate|run --config <file>`.
+pub const EMBEDDED_RELAY_SUBCOMMAND: &str = "embedded-relay";
+
+/// A program that behaves as `outbox-relay`: `<bin> <args…> migrate` and
+/// `<bin> <args…> run --config <file>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RelayProgram {
+    pub bin: PathBuf,
+    /// Put before `migrate` / `run` (the embedded relay's subcommand).
+    pub args: Vec<String>,
+}
+
+impl RelayProgram {
+    /// The `outbox-relay` binary at `bin`.
+    pub fn binary(bin: impl Into<PathBuf>) -> Self {
+        RelayProgram {
+            bin: bin.into(),
+            args: Vec::new(),
+        }
+    }
+
+    /// The relay engine run by a `loadtest` binary (always built from the
+    /// same sources as the harness, so never stale or missing).
+    pub fn embedded(loadtest_bin: impl Into<PathBuf>) -> Self {
+        RelayProgram {
+            bin: loadtest_bin.into(),
+            args: vec![EMBEDDED_RELAY_SUBCOMMAND.to_owned()],
+        }
+    }
+
+    pub fn is_embedded(&self) -> bool {
+        !self.args.is_empty()
+    }
+
+    pub fn describe(&self) -> String {
+        if self.is_embedded() {
+            format!(
+                "{} {} (embedded relay engine)",
+                self.bin.display(),
+                self.args.join(" ")
+            )
+        } else {
+            self.bin.display().to_string()
+        }
+    }
+}
+
+/// The relay for a run when none is named: the `outbox-relay` built next to
+/// `loadtest_bin` (`target/<profile>/`, also seen from `target/<profile>/deps/`)
+/// when it exists and, if the engine's `sources` (the workspace root) are at
+/// hand, no source file is newer than it; else the relay engine embedded in
+/// `loadtest_bin`, which is built from the same sources as the harness.
+pub fn locate_relay(loadtest_bin: &Path, sources: Option<&Path>) -> RelayProgram {
+    let mut dir = loadtest_bin
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default();
     if dir.file_name().is_some_and(|n| n == "deps") {
         dir.pop();
     }
-    dir.join("outbox-relay")
+    let sibling = dir.join("outbox-relay");
+    let current = mtime(&sibling).is_some_and(|built| {
+        sources
+            .and_then(newest_source)
+            .is_none_or(|newest| newest <= built)
+    });
+    if current {
+        RelayProgram::binary(sibling)
+    } else {
+        RelayProgram::embedded(loadtest_bin)
+    }
+}
+
+/// The workspace root this harness was compiled from, if it is still there.
+pub fn compiled_sources() -> Option<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()?
+        .to_path_buf();
+    root.join("src/main.rs").is_file().then_some(root)
+}
+
+fn mtime(p: &Path) -> Option<std::time::SystemTime> {
+    std::fs::metadata(p).and_then(|m| m.modified()).ok()
+}
+
+/// The newest mtime of the engine's inputs: `Cargo.toml`, `Cargo.lock`,
+/// `src/**`, `migrations/**`.
+fn newest_source(root: &Path) -> Option<std::time::SystemTime> {
+    fn walk(p: &Path, newest: &mut Option<std::time::SystemTime>) {
+        if p.is_dir() {
+            for e in std::fs::read_dir(p).into_iter().flatten().flatten() {
+                walk(&e.path(), newest);
+            }
+        } else if let Some(t) = mtime(p) {
+            *newest = (*newest).max(Some(t));
+        }
+    }
+    let mut newest = None;
+    for part in ["Cargo.toml", "Cargo.lock", "src", "migrations"] {
+        walk(&root.join(part), &mut newest);
+    }
+    newest
 }
 
 /// How to start the relay.
 #[derive(Debug, Clone)]
 pub struct RelayCommand {
     pub bin: PathBuf,
+    /// Arguments before the subcommand (see [`RelayProgram::args`]).
+    pub args: Vec<String>,
     pub config: PathBuf,
     pub database_url: String,
     pub qstash_url: String,
@@ -52,7 +149,8 @@ pub struct RelayCommand {
 impl RelayCommand {
     fn command(&self, args: &[&str]) -> Result<Command, RelayError> {
         let mut c = Command::new(&self.bin);
-        c.args(args)
+        c.args(&self.args)
+            .args(args)
             .env("DATABASE_URL", &self.database_url)
             .env("QSTASH_URL", &self.qstash_url)
             .env("QSTASH_TOKEN", &self.qstash_token)

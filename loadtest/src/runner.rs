@@ -7,7 +7,7 @@
 //! 4. the relay's TOML config (one QStash route to the sink), written to the output directory;
 //! 5. preload (drain), then the relay child process, sampled from `/proc`;
 //! 6. producers (steady, chaos, poison), and for chaos the kill/restart and
-//!    `pg_terminate_backend` loop;
+//!    `pg_terminate_backend` loop while they run;
 //! 7. wait until the outbox has no pending row (bounded by `drain_timeout`);
 //! 8. SIGTERM the relay (it must exit 0), verify, report (table, JSON, SVG).
 
@@ -23,7 +23,7 @@ use tokio::sync::{watch, Mutex};
 
 use crate::procstat::UsageTracker;
 use crate::producer::{self, ProduceProgress, ProduceStats, APPLICATION_NAME};
-use crate::relay::{RelayCommand, RelayError, RelayProcess};
+use crate::relay::{RelayCommand, RelayError, RelayProcess, RelayProgram};
 use crate::report::{ChaosStats, Report, ReportInput};
 use crate::scenario::{relay_config_toml, ChaosSpec, Scenario, ScenarioKind};
 use crate::sink::{Sink, SinkConfig};
@@ -54,7 +54,8 @@ fn setup(context: &str) -> impl Fn(&dyn std::fmt::Display) -> RunError + '_ {
 pub struct RunOptions {
     /// A server to create the run's database on; a throwaway cluster when `None`.
     pub database_url: Option<String>,
-    pub relay_bin: PathBuf,
+    /// The relay under test.
+    pub relay: RelayProgram,
     /// `relay.toml`, `relay.log`, `report.json`, `report.svg` go here.
     pub out_dir: PathBuf,
     /// Leave the run's database in place (its URL is printed).
@@ -68,7 +69,10 @@ impl RunOptions {
     pub fn new(out_dir: impl Into<PathBuf>) -> Self {
         RunOptions {
             database_url: None,
-            relay_bin: crate::relay::default_relay_bin(),
+            relay: crate::relay::locate_relay(
+                &std::env::current_exe().unwrap_or_default(),
+                crate::relay::compiled_sources().as_deref(),
+            ),
             out_dir: out_dir.into(),
             keep_database: false,
             progress: true,
@@ -207,7 +211,8 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
         relay_config_toml(s, sink.addr().port(), free_port()?)?,
     )?;
     let cmd = RelayCommand {
-        bin: opts.relay_bin.clone(),
+        bin: opts.relay.bin.clone(),
+        args: opts.relay.args.clone(),
         config: config_path,
         database_url: db.url.clone(),
         qstash_url: sink.url(),
@@ -269,13 +274,15 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
             }
         })
     };
+    // Chaos lasts as long as the load; the drain after it runs undisturbed.
+    let (chaos_tx, chaos_rx) = watch::channel(false);
     let chaos = match (&s.kind, &s.chaos) {
         (ScenarioKind::Chaos, Some(spec)) => Some(tokio::spawn(chaos_loop(
             spec.clone(),
             Arc::clone(&slot),
             cmd.clone(),
             db.url.clone(),
-            stop_rx.clone(),
+            chaos_rx,
         ))),
         _ => None,
     };
@@ -304,6 +311,12 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
         produced.elapsed_secs += stats.elapsed_secs;
     }
 
+    chaos_tx.send_replace(true);
+    let chaos_stats = match chaos {
+        Some(task) => Some(task.await.map_err(|e| setup("chaos task")(&e))??),
+        None => None,
+    };
+
     // Wait for the outbox to empty (polling a condition, bounded).
     bar.set_message("draining");
     let deadline = Instant::now() + s.drain_timeout;
@@ -316,12 +329,10 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
         if pending == 0 {
             break;
         }
-        if chaos.is_none() {
-            if let Some(p) = slot.process.lock().await.as_mut() {
-                if let Some(status) = p.exited() {
-                    failures.push(format!("the relay exited on its own with {status}"));
-                    break;
-                }
+        if let Some(p) = slot.process.lock().await.as_mut() {
+            if let Some(status) = p.exited() {
+                failures.push(format!("the relay exited on its own with {status}"));
+                break;
             }
         }
         if Instant::now() >= deadline {
@@ -335,10 +346,6 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
     bar.finish_and_clear();
 
     stop_tx.send_replace(true);
-    let chaos_stats = match chaos {
-        Some(task) => Some(task.await.map_err(|e| setup("chaos task")(&e))??),
-        None => None,
-    };
     let _ = sampler.await;
     if let Some(p) = slot.take().await {
         if let Err(e) = p.terminate(opts.relay_stop_timeout).await {

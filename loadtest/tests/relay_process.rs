@@ -37,6 +37,7 @@ fn stand_in(dir: &tempfile::TempDir, fail_migrate: bool) -> RelayCommand {
     std::fs::write(&config, "").unwrap();
     RelayCommand {
         bin,
+        args: Vec::new(),
         config,
         database_url: "postgres://postgres@127.0.0.1:1/x".into(),
         qstash_url: "http://127.0.0.1:1".into(),
@@ -109,8 +110,32 @@ async fn a_missing_binary_is_named() {
 }
 
 #[test]
-fn the_default_relay_binary_sits_next_to_ours() {
-    let bin = loadtest::relay::default_relay_bin();
-    assert_eq!(bin.file_name().unwrap(), "outbox-relay");
-    assert_ne!(bin.parent().unwrap().file_name().unwrap(), "deps");
+fn the_default_relay_is_the_sibling_binary_when_current_else_the_embedded_engine() {
+    use loadtest::relay::{locate_relay, RelayProgram};
+    let dir = tempfile::tempdir().unwrap();
+    let sources = dir.path().join("ws");
+    std::fs::create_dir_all(sources.join("src")).unwrap();
+    std::fs::write(sources.join("src/lib.rs"), "").unwrap();
+    let profile = dir.path().join("release");
+    let deps = profile.join("deps");
+    std::fs::create_dir_all(&deps).unwrap();
+    let test_exe = deps.join("chaos-0123");
+    let loadtest = profile.join("loadtest");
+    let src = Some(sources.as_path());
+    // No sibling: the engine embedded in the loadtest binary.
+    assert_eq!(
+        locate_relay(&loadtest, src),
+        RelayProgram::embedded(&loadtest)
+    );
+    // A sibling newer than the sources: that binary, also seen from deps/.
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    std::fs::write(profile.join("outbox-relay"), "").unwrap();
+    let expected = RelayProgram::binary(profile.join("outbox-relay"));
+    assert_eq!(locate_relay(&loadtest, src), expected);
+    assert_eq!(locate_relay(&test_exe, src), expected);
+    // A source edited after the build: stale, so not used (unless no sources are known).
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    std::fs::write(sources.join("src/lib.rs"), "//").unwrap();
+    assert!(locate_relay(&loadtest, src).is_embedded());
+    assert_eq!(locate_relay(&loadtest, None), expected);
 }

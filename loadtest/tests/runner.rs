@@ -62,7 +62,7 @@ partition_keys = 4
     )
     .unwrap();
     let mut opts = RunOptions::new(dir.path().join("out"));
-    opts.relay_bin = bin;
+    opts.relay = loadtest::relay::RelayProgram::binary(bin);
     opts.progress = false;
     opts.database_url = Some(
         std::env::var("TEST_DATABASE_URL")

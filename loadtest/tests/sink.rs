@@ -151,7 +151,11 @@ async fn content_based_deduplication() {
 
 #[tokio::test]
 async fn batch_answers_per_element_and_a_poison_element_fails_alone() {
-    let s = sink(FaultConfig::default()).await;
+    let s = sink(FaultConfig {
+        poison_rejects_batch: false,
+        ..FaultConfig::default()
+    })
+    .await;
     let auth = bearer(DEV_TOKEN);
     let batch = json!([
         {"destination": DEST, "headers": {"upstash-deduplication-id": "b-1", "upstash-forward-x-outbox-id": "11", "content-type": "application/json"}, "body": envelope(11, "k-a")},
@@ -520,4 +524,36 @@ async fn delivery_mode_forwards_signed_like_qstash() {
         receiver.next(Duration::from_millis(100)).await.is_none(),
         "no second delivery of the duplicate"
     );
+}
+
+#[tokio::test]
+async fn by_default_a_batch_holding_poison_is_refused_whole() {
+    let s = sink(FaultConfig::default()).await;
+    let auth = bearer(DEV_TOKEN);
+    let batch = json!([
+        {"destination": DEST, "headers": {"upstash-deduplication-id": "c-1", "upstash-forward-x-outbox-id": "21"}, "body": envelope(21, "k-a")},
+        {"destination": DEST, "headers": {"upstash-deduplication-id": "c-2", "upstash-forward-x-outbox-id": "22"}, "body": json!({"id": 22, "payload": {"poison": true}}).to_string()}
+    ]);
+    let a = post(
+        s.addr(),
+        "/v2/batch",
+        &[
+            ("authorization", &auth),
+            ("content-type", "application/json"),
+        ],
+        batch.to_string(),
+        T,
+    )
+    .await;
+    assert_eq!(a.status(), 400);
+    assert!(a.body()["error"]
+        .as_str()
+        .unwrap()
+        .contains("poison event 22"));
+    assert!(
+        s.records().is_empty(),
+        "nothing of a refused batch is accepted"
+    );
+    assert_eq!(s.stats().poison_rejected, 1);
+    s.stop().await;
 }

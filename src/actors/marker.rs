@@ -24,6 +24,11 @@ const KIND_RELEASE: i16 = 4;
 
 /// One statement for every kind of outcome; rows whose lease moved on
 /// (`attempt_count` differs) or that are already final are left alone.
+/// "Not final" is written `coalesce(…) IS NULL` on purpose: spelled as two
+/// `IS NULL` tests it matches the partial indexes' predicate, and with stale
+/// statistics (right after a bulk load) the generic plan walked the whole
+/// pending set per mark instead of looking the batch up by primary key
+/// (tests/mark_plan.rs).
 pub const MARK_SQL: &str = "UPDATE outbox AS o SET
     published_at     = CASE WHEN u.kind = 1 THEN now() ELSE o.published_at END,
     dead_lettered_at = CASE WHEN u.kind = 3 THEN now() ELSE o.dead_lettered_at END,
@@ -38,8 +43,7 @@ FROM unnest($1::bigint[], $2::int4[], $3::int2[], $4::int8[], $5::text[])
      AS u(id, attempt, kind, delay_ms, error)
 WHERE o.id = u.id
   AND o.attempt_count = u.attempt
-  AND o.published_at IS NULL
-  AND o.dead_lettered_at IS NULL
+  AND coalesce(o.published_at, o.dead_lettered_at) IS NULL
 RETURNING o.id";
 
 const MARK_TYPES: &[Type] = &[

@@ -55,6 +55,9 @@ pub struct FaultConfig {
     pub poison_ids: BTreeSet<i64>,
     /// Treat bodies with `"poison": true` (top level or in `payload`) as poison.
     pub poison_marker: bool,
+    /// A `/v2/batch` holding poison is refused whole with 400 (nothing
+    /// accepted); when false, only the poison element fails, in a 200 answer.
+    pub poison_rejects_batch: bool,
 }
 
 impl Default for FaultConfig {
@@ -73,6 +76,7 @@ impl Default for FaultConfig {
             element_error: 0.0,
             poison_ids: BTreeSet::new(),
             poison_marker: true,
+            poison_rejects_batch: true,
         }
     }
 }

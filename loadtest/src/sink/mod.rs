@@ -22,6 +22,12 @@
 //! our extension: a real QStash may send only `error`, so a relay must not
 //! depend on it being there.
 //!
+//! A batch holding a poison message is refused as a whole by default
+//! (`400 {"error": …}`, nothing accepted, as QStash answers a request that
+//! fails validation), so a relay isolates the poison by resending one by one;
+//! with `faults.poison_rejects_batch = false` the poison element fails alone
+//! as above.
+//!
 //! Every accepted message (fresh or deduplicated) becomes a [`Record`];
 //! rejected ones only count in [`SinkStats`]. Faults are in [`faults`];
 //! delivery mode (forward to the destination, signed) is in [`DeliveryConfig`].
@@ -529,6 +535,17 @@ async fn handle(
         RequestFault::None | RequestFault::LostResponse => {}
     }
 
+    if matches!(endpoint, Endpoint::Batch) && shared.poison_rejects_batch() {
+        if let Some(error) = messages.iter().find_map(|m| shared.poison_error(m)) {
+            // Refused as a whole, as QStash refuses a batch that fails validation:
+            // nothing in it is accepted, and the relay resends them one by one.
+            bump(&c.poison_rejected);
+            return Ok(error_response(
+                StatusCode::BAD_REQUEST,
+                &format!("{error}; batch refused"),
+            ));
+        }
+    }
     let outcomes: Vec<Outcome> = messages
         .into_iter()
         .map(|m| shared.accept(m, matches!(endpoint, Endpoint::Batch)))
@@ -729,6 +746,30 @@ enum Outcome {
 }
 
 impl Shared {
+    fn poison_rejects_batch(&self) -> bool {
+        self.faults
+            .lock()
+            .expect("faults lock")
+            .config
+            .poison_rejects_batch
+    }
+
+    /// The rejection text when `msg` is poison.
+    fn poison_error(&self, msg: &Message) -> Option<String> {
+        let json: Option<Value> = serde_json::from_slice(&msg.body).ok();
+        let outbox_id = msg
+            .header(OUTBOX_ID_HEADER)
+            .and_then(|v| v.trim().parse::<i64>().ok())
+            .or_else(|| json.as_ref().and_then(|j| j.get("id")).and_then(json_i64));
+        let f = self.faults.lock().expect("faults lock");
+        f.is_poison(outbox_id, json.as_ref()).then(|| {
+            format!(
+                "poison event{} rejected",
+                outbox_id.map(|id| format!(" {id}")).unwrap_or_default()
+            )
+        })
+    }
+
     fn accept(&self, msg: Message, via_batch: bool) -> Outcome {
         let c = &self.counters;
         let json: Option<Value> = serde_json::from_slice(&msg.body).ok();

@@ -61,6 +61,19 @@ enum Command {
         mix: MixArgs,
     },
     /// Write a backlog with binary COPY.
+    /// The relay's claim and mark statements alone, no HTTP: drains the pending
+    /// rows (after preloading --events, if given) and prints rows/s.
+    SqlCeiling {
+        #[arg(long, env = "DATABASE_URL")]
+        database_url: String,
+        /// Preload this many events first (binary COPY).
+        #[arg(long, default_value_t = 0)]
+        events: u64,
+        #[arg(long, default_value_t = 500)]
+        claim_batch: i64,
+        #[arg(long)]
+        json: bool,
+    },
     Preload {
         #[arg(long, env = "DATABASE_URL")]
         database_url: String,
@@ -294,6 +307,35 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 stats.elapsed_secs,
                 stats.events_per_sec()
             );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::SqlCeiling {
+            database_url,
+            events,
+            claim_batch,
+            json,
+        } => {
+            if events > 0 {
+                let spec = PreloadSpec {
+                    events,
+                    ..PreloadSpec::default()
+                };
+                producer::preload(&database_url, &spec, &tag(), None).await?;
+            }
+            let ceiling = loadtest::ceiling::run(&database_url, claim_batch).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&ceiling)?);
+            } else {
+                println!(
+                    "sql ceiling: {} rows claimed and marked in {:.2} s = {:.0} rows/s ({} shards, claim batch {}, {} statements)",
+                    ceiling.rows,
+                    ceiling.elapsed_secs,
+                    ceiling.rows_per_sec,
+                    ceiling.shards,
+                    ceiling.claim_batch,
+                    ceiling.statements
+                );
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Preload {

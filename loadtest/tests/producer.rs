@@ -122,3 +122,28 @@ async fn copy_preload_writes_exactly_the_count() {
         20_001
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sql_ceiling_claims_and_marks_every_pending_row() {
+    let db = outbox_relay::testkit::TestDb::new().await.unwrap();
+    let spec = loadtest::producer::PreloadSpec {
+        events: 3000,
+        ..Default::default()
+    };
+    loadtest::producer::preload(&db.url, &spec, "ceiling", None)
+        .await
+        .unwrap();
+    let ceiling = loadtest::ceiling::run(&db.url, 250).await.unwrap();
+    assert_eq!(ceiling.rows, 3000);
+    assert!(ceiling.rows_per_sec > 0.0);
+    let client = db.client().await.unwrap();
+    let published: i64 = client
+        .query_one(
+            "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL AND locked_until IS NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(published, 3000);
+}

@@ -109,7 +109,7 @@ RETURNING o.id, o.tenant_id, o.aggregate_type, o.aggregate_id, o.event_type,
           o.payload::text, o.headers::text, o.idempotency_key, o.partition_key,
           o.created_at, o.attempt_count, o.available_at";
 
-const CLAIM_TYPES: &[Type] = &[
+pub const CLAIM_TYPES: &[Type] = &[
     Type::INT8,
     Type::INT8,
     Type::INT2,
@@ -127,7 +127,7 @@ const CLAIM_UNORDERED_TYPES_TYPES: &[Type] = &[
 ];
 
 /// Where a claim starts when there is no cursor: the beginning of the shard.
-fn no_cursor() -> (DateTime<Utc>, i64) {
+pub fn no_cursor() -> (DateTime<Utc>, i64) {
     // Year 1: before any real `available_at`, and inside PostgreSQL's range.
     let start = chrono::NaiveDate::from_ymd_opt(1, 1, 1)
         .and_then(|d| d.and_hms_opt(0, 0, 0))

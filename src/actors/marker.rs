@@ -46,7 +46,7 @@ WHERE o.id = u.id
   AND coalesce(o.published_at, o.dead_lettered_at) IS NULL
 RETURNING o.id";
 
-const MARK_TYPES: &[Type] = &[
+pub const MARK_TYPES: &[Type] = &[
     Type::INT8_ARRAY,
     Type::INT4_ARRAY,
     Type::INT2_ARRAY,

@@ -24,9 +24,15 @@ fn every_shipped_scenario_loads_and_configures_the_relay() {
         assert_eq!(parsed.routes.len(), 1, "{file}");
     }
     let chaos = Scenario::load(&dir().join("chaos.toml")).unwrap();
+    let relay: outbox_relay::Config =
+        toml::from_str(&relay_config_toml(&chaos, 40000, 40001).unwrap()).unwrap();
     assert!(
-        chaos.sink.faults.hang_for.as_secs() > 5,
+        chaos.sink.faults.hang_for > relay.http.request_timeout,
         "hangs outlive the relay's request timeout"
+    );
+    assert!(
+        relay.relay.lease > relay.http.request_timeout,
+        "a lease outlives a request"
     );
     assert!(chaos.ordered());
 }

@@ -30,5 +30,9 @@ fn every_shipped_scenario_loads_and_configures_the_relay() {
         chaos.sink.faults.hang_for > relay.http.request_timeout,
         "hangs outlive the relay's request timeout"
     );
+    assert!(
+        relay.relay.lease > relay.http.request_timeout,
+        "a lease outlives a request"
+    );
     assert!(chaos.ordered());
 }

@@ -136,6 +136,9 @@ pub fn no_cursor() -> (DateTime<Utc>, i64) {
     (start, i64::MIN)
 }
 
+/// How long a wake-up waits before claiming, to gather a burst of inserts.
+const WAKE_COALESCE: Duration = Duration::from_millis(1);
+
 /// How long a claimer waits for an in-flight permit before looking again.
 const PERMIT_WAIT: Duration = Duration::from_millis(100);
 
@@ -204,7 +207,14 @@ impl Actor for Claimer {
         state: &mut ClaimerState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            ClaimerMsg::Wake => queue_claim(&myself, state),
+            ClaimerMsg::Wake => {
+                // Producers commit in bursts of NOTIFYs: wait a moment so one
+                // claim (and one request) carries the burst, not one row each.
+                if !state.claim_queued {
+                    state.claim_queued = true;
+                    myself.send_after(WAKE_COALESCE, || ClaimerMsg::Claim);
+                }
+            }
             ClaimerMsg::Tick(generation) => {
                 if generation == state.idle_generation {
                     queue_claim(&myself, state);

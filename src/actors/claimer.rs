@@ -23,12 +23,32 @@ use crate::metrics as m;
 use crate::row::{compact_json, parse_headers, OutboxRow};
 use crate::sink::DeadReason;
 
+/// Every claim ends the same way: lease the rows chosen by its `claimable`
+/// CTE (`$2` ms) and return them. Literals only: the SQL stays constant.
+macro_rules! claim_statement {
+    ($claimable:literal) => {
+        concat!(
+            $claimable,
+            "
+UPDATE outbox AS o
+SET locked_until = now() + $2 * interval '1 millisecond',
+    attempt_count = o.attempt_count + 1
+FROM claimable
+WHERE o.id = claimable.id
+RETURNING o.id, o.tenant_id, o.aggregate_type, o.aggregate_id, o.event_type,
+          o.payload::text, o.headers::text, o.idempotency_key, o.partition_key,
+          o.created_at, o.attempt_count, o.available_at"
+        )
+    };
+}
+
 /// Claims up to `$1` ready rows of shard `$3` for `$2` ms, after the cursor
 /// `($4, $5)`. The scan walks `outbox_shard_ready_idx` in its order (PERF.md:
 /// a claim whose order does not match its index sorts the whole backlog).
 /// The cursor lets a claimer in a burst start after the rows it already has
 /// in flight instead of walking past their leases on every claim.
-pub const CLAIM_SQL: &str = "WITH claimable AS (
+pub const CLAIM_SQL: &str = claim_statement!(
+    "WITH claimable AS (
     SELECT id FROM outbox
     WHERE shard = $3
       AND published_at IS NULL AND dead_lettered_at IS NULL
@@ -39,14 +59,8 @@ pub const CLAIM_SQL: &str = "WITH claimable AS (
     LIMIT $1
     FOR UPDATE SKIP LOCKED
 )
-UPDATE outbox AS o
-SET locked_until = now() + $2 * interval '1 millisecond',
-    attempt_count = o.attempt_count + 1
-FROM claimable
-WHERE o.id = claimable.id
-RETURNING o.id, o.tenant_id, o.aggregate_type, o.aggregate_id, o.event_type,
-          o.payload::text, o.headers::text, o.idempotency_key, o.partition_key,
-          o.created_at, o.attempt_count, o.available_at";
+"
+);
 
 /// Ordered routes: claims up to `$1` key heads of shard `$3` — each key's
 /// oldest undelivered row — whose type goes to an ordered route (`$4`, LIKE
@@ -54,7 +68,8 @@ RETURNING o.id, o.tenant_id, o.aggregate_type, o.aggregate_id, o.event_type,
 /// or waiting for a retry has nothing claimable: never two of a key in flight,
 /// and a failing event holds its key back. The recursive part skips from key
 /// to key through `outbox_shard_key_idx` (a loose index scan).
-pub const CLAIM_HEADS_SQL: &str = "WITH RECURSIVE heads (partition_key, id) AS (
+pub const CLAIM_HEADS_SQL: &str = claim_statement!(
+    "WITH RECURSIVE heads (partition_key, id) AS (
     (SELECT partition_key, id FROM outbox
      WHERE shard = $3 AND published_at IS NULL AND dead_lettered_at IS NULL
      ORDER BY partition_key, id
@@ -77,18 +92,13 @@ pub const CLAIM_HEADS_SQL: &str = "WITH RECURSIVE heads (partition_key, id) AS (
     LIMIT $1
     FOR UPDATE OF o SKIP LOCKED
 )
-UPDATE outbox AS o
-SET locked_until = now() + $2 * interval '1 millisecond',
-    attempt_count = o.attempt_count + 1
-FROM claimable
-WHERE o.id = claimable.id
-RETURNING o.id, o.tenant_id, o.aggregate_type, o.aggregate_id, o.event_type,
-          o.payload::text, o.headers::text, o.idempotency_key, o.partition_key,
-          o.created_at, o.attempt_count, o.available_at";
+"
+);
 
 /// When some routes are ordered and others are not: the plain claim for the
 /// types no ordered route takes (`$6`).
-pub const CLAIM_UNORDERED_TYPES_SQL: &str = "WITH claimable AS (
+pub const CLAIM_UNORDERED_TYPES_SQL: &str = claim_statement!(
+    "WITH claimable AS (
     SELECT id FROM outbox
     WHERE shard = $3
       AND published_at IS NULL AND dead_lettered_at IS NULL
@@ -100,14 +110,8 @@ pub const CLAIM_UNORDERED_TYPES_SQL: &str = "WITH claimable AS (
     LIMIT $1
     FOR UPDATE SKIP LOCKED
 )
-UPDATE outbox AS o
-SET locked_until = now() + $2 * interval '1 millisecond',
-    attempt_count = o.attempt_count + 1
-FROM claimable
-WHERE o.id = claimable.id
-RETURNING o.id, o.tenant_id, o.aggregate_type, o.aggregate_id, o.event_type,
-          o.payload::text, o.headers::text, o.idempotency_key, o.partition_key,
-          o.created_at, o.attempt_count, o.available_at";
+"
+);
 
 pub const CLAIM_TYPES: &[Type] = &[
     Type::INT8,

@@ -94,6 +94,14 @@ pub struct RelayConfig {
     pub max_restarts: u32,
     #[serde(with = "humantime_serde")]
     pub restart_window: Duration,
+    /// This replica's name among those sharing the database; empty means
+    /// `<hostname>-<pid>`. A replica restarted under the same name takes its
+    /// shards back at once instead of waiting for their leases to end.
+    pub replica_id: String,
+    /// How long a replica owns a shard without renewing (renewed every
+    /// quarter of it). A replica that dies loses its shards after this long.
+    #[serde(with = "humantime_serde")]
+    pub shard_lease: Duration,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -271,6 +279,8 @@ impl Default for RelayConfig {
             shutdown_grace: Duration::from_secs(10),
             max_restarts: 10,
             restart_window: Duration::from_secs(60),
+            replica_id: String::new(),
+            shard_lease: Duration::from_secs(10),
         }
     }
 }
@@ -467,6 +477,18 @@ impl Config {
                 "must be more than zero",
             ));
         }
+        if r.shard_lease < Duration::from_secs(1) {
+            return Err(ConfigError::invalid(
+                "relay.shard_lease",
+                "must be at least 1s",
+            ));
+        }
+        if r.replica_id.len() > 200 || r.replica_id.chars().any(char::is_control) {
+            return Err(ConfigError::invalid(
+                "relay.replica_id",
+                "must be at most 200 characters, none of them control characters",
+            ));
+        }
         if r.backoff_cap < r.backoff_base {
             return Err(ConfigError::invalid(
                 "relay.backoff_cap",
@@ -503,13 +525,14 @@ impl Config {
                 "is required when server.callback_bind is set, to verify QStash's callbacks (set QSTASH_CURRENT_SIGNING_KEY)",
             ));
         }
-        // Claimers and the marker each hold a connection; the gauges need one more.
-        if self.database.pool_size < self.relay.shards + 2 {
+        // Claimers, the marker and the coordinator each hold a connection;
+        // the gauges need one more.
+        if self.database.pool_size < self.relay.shards + 3 {
             return Err(ConfigError::invalid(
                 "database.pool_size",
                 format!(
-                    "must be at least relay.shards + 2 ({}): each claimer and the marker keep a connection",
-                    self.relay.shards + 2
+                    "must be at least relay.shards + 3 ({}): each claimer, the marker and the shard coordinator keep a connection",
+                    self.relay.shards + 3
                 ),
             ));
         }

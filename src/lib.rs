@@ -5,9 +5,10 @@
 //! app transaction ── producer::enqueue ──▶ outbox table (+ NOTIFY per statement)
 //!
 //!  actors::Supervisor ─┬─ Listener   (own connection, LISTEN, reconnects) ── wakes claimers
-//!                      ├─ Claimer × shards  (claim a batch under a lease)
+//!                      ├─ Coordinator       (shard leases: a fair share among replicas)
+//!                      ├─ Claimer × owned shards  (claim a batch under a lease)
 //!                      ├─ Publisher × N     (sink::* over one hyper client)
-//!                      └─ Marker            (multi-row, lease-fenced UPDATEs)
+//!                      └─ Marker            (multi-row UPDATEs, fenced by lease and shard token)
 //! ```
 //!
 //! Consumers use [`consumer`] to verify signatures and handle each event once.

@@ -19,6 +19,8 @@ pub const DEAD_LETTERED: &str = names::EVENTS_DEAD_LETTERED_TOTAL;
 pub const CLAIMS: &str = names::CLAIMS_TOTAL;
 pub const ACTOR_RESTARTS: &str = names::ACTOR_RESTARTS_TOTAL;
 pub const MARKS_FENCED: &str = names::MARKS_FENCED_TOTAL;
+pub const SHARD_HANDOVERS: &str = names::SHARD_HANDOVERS_TOTAL;
+pub const SHARDS_OWNED: &str = names::SHARDS_OWNED;
 pub const IN_FLIGHT: &str = names::IN_FLIGHT;
 pub const PUBLISH_DURATION: &str = names::PUBLISH_DURATION_SECONDS;
 pub const BATCH_SIZE: &str = names::BATCH_SIZE;
@@ -56,7 +58,12 @@ fn describe() {
         MARKS_FENCED,
         "Outcomes not written because the lease was lost"
     );
+    describe_counter!(
+        SHARD_HANDOVERS,
+        "Shard leases this replica acquired, released (handed over) or lost, by kind"
+    );
     describe_gauge!(IN_FLIGHT, "Rows claimed and not yet marked");
+    describe_gauge!(SHARDS_OWNED, "Shards this replica holds a lease on");
     describe_gauge!(
         names::BACKLOG,
         "Pending rows (not published, not dead-lettered)"

@@ -83,6 +83,8 @@ impl Relay {
             ),
             counters: Default::default(),
             hooks,
+            ownership: Default::default(),
+            replica_id: crate::actors::coordinator::replica_id(&config.relay.replica_id),
             router,
             pool,
             config,
@@ -102,6 +104,21 @@ impl Relay {
     /// The live counters (for the readiness sampler).
     pub fn counters_handle(&self) -> Arc<crate::actors::Counters> {
         Arc::clone(&self.shared.counters)
+    }
+
+    /// This replica's name among those sharing the database.
+    pub fn replica_id(&self) -> &str {
+        &self.shared.replica_id
+    }
+
+    /// The shards this replica holds a lease on, in order.
+    pub fn shards_owned(&self) -> Vec<i16> {
+        self.shared
+            .ownership
+            .shards()
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect()
     }
 
     /// Rows claimed and not yet marked.

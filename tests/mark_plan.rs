@@ -40,6 +40,7 @@ async fn the_mark_update_goes_through_the_primary_key_on_a_fresh_backlog() {
                 Type::INT2_ARRAY,
                 Type::INT8_ARRAY,
                 Type::TEXT_ARRAY,
+                Type::INT8_ARRAY,
             ],
         )
         .await
@@ -49,8 +50,9 @@ async fn the_mark_update_goes_through_the_primary_key_on_a_fresh_backlog() {
     let kinds = vec![1i16; 1000];
     let delays = vec![0i64; 1000];
     let errors: Vec<Option<&str>> = vec![None; 1000];
+    let tokens = vec![1i64; 1000];
     let plan: Vec<String> = client
-        .query(&stmt, &[&ids, &attempts, &kinds, &delays, &errors])
+        .query(&stmt, &[&ids, &attempts, &kinds, &delays, &errors, &tokens])
         .await
         .unwrap()
         .iter()
@@ -60,8 +62,11 @@ async fn the_mark_update_goes_through_the_primary_key_on_a_fresh_backlog() {
     // By primary key (nested loop over the batch), or one hash join over the
     // table when the planner thinks it is small; never the pending set joined
     // row by row (a nested loop with a join filter is O(pending × batch)).
+    // (A filter on the shard-lease side, a handful of rows, is harmless.)
     assert!(
-        !plan.contains("Join Filter"),
+        !plan
+            .lines()
+            .any(|l| l.contains("Join Filter") && l.contains("o.")),
         "the mark must not join the batch with a filter:\n{plan}"
     );
     for index in [

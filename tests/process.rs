@@ -3,66 +3,17 @@
 mod common;
 
 use std::collections::{HashMap, HashSet};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::process::RelayProcess;
 use common::sink::TestSink;
 use common::{config_toml, count, insert_events, pending, wait_until, QSTASH_ROUTE, TOKEN};
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 use outbox_relay::testkit::TestDb;
 
-const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
-
-struct RelayProcess {
-    child: Child,
-    _config: tempfile::NamedTempFile,
-}
-
-impl RelayProcess {
-    fn start(db: &TestDb, sink: &TestSink, args: &[&str]) -> RelayProcess {
-        let config = tempfile::NamedTempFile::new().unwrap();
-        std::fs::write(config.path(), config_toml(db, &sink.url(), QSTASH_ROUTE)).unwrap();
-        let child = Command::new(BIN)
-            .args(args)
-            .arg("--config")
-            .arg(config.path())
-            .env("OUTBOX_RELAY_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        RelayProcess {
-            child,
-            _config: config,
-        }
-    }
-
-    fn signal(&self, signal: Signal) {
-        kill(Pid::from_raw(self.child.id() as i32), signal).unwrap();
-    }
-
-    /// Waits for the process to exit, at most `limit`.
-    async fn exit_within(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
-        let deadline = Instant::now() + limit;
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return Some(status);
-            }
-            if Instant::now() >= deadline {
-                let _ = self.child.kill();
-                return None;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-}
-
-impl Drop for RelayProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+fn start(db: &TestDb, sink: &TestSink, args: &[&str]) -> RelayProcess {
+    let stdout = std::process::Stdio::piped();
+    RelayProcess::spawn(args, &config_toml(db, &sink.url(), QSTASH_ROUTE), stdout)
 }
 
 async fn live_leases(db: &TestDb) -> HashSet<String> {
@@ -86,7 +37,7 @@ async fn sigkill_mid_drain_then_restart_loses_nothing() {
     let sink = TestSink::start(TOKEN).await;
     sink.set_delay(Duration::from_millis(20));
     insert_events(&db, 4000, 200).await;
-    let mut relay = RelayProcess::start(&db, &sink, &["run"]);
+    let mut relay = start(&db, &sink, &["run"]);
     assert!(
         wait_until(Duration::from_secs(60), || async {
             sink.accepted().len() >= 600
@@ -103,7 +54,7 @@ async fn sigkill_mid_drain_then_restart_loses_nothing() {
         pending(&db).await > 0,
         "the kill came too late to test anything"
     );
-    let mut relay = RelayProcess::start(&db, &sink, &["run"]);
+    let mut relay = start(&db, &sink, &["run"]);
     assert!(
         wait_until(Duration::from_secs(120), || async {
             pending(&db).await == 0
@@ -145,7 +96,7 @@ async fn sigterm_mid_drain_exits_zero_within_the_grace_and_releases_leases() {
     let sink = TestSink::start(TOKEN).await;
     sink.set_delay(Duration::from_millis(50));
     insert_events(&db, 4000, 200).await;
-    let mut relay = RelayProcess::start(&db, &sink, &["run"]);
+    let mut relay = start(&db, &sink, &["run"]);
     assert!(
         wait_until(Duration::from_secs(60), || async {
             sink.accepted().len() >= 300
@@ -189,7 +140,7 @@ async fn drain_runs_until_the_backlog_is_empty_and_reports() {
         }
     });
     insert_events(&db, 300, 30).await;
-    let mut relay = RelayProcess::start(&db, &sink, &["drain", "--json"]);
+    let mut relay = start(&db, &sink, &["drain", "--json"]);
     let status = relay
         .exit_within(Duration::from_secs(60))
         .await

@@ -39,6 +39,13 @@ pub async fn run(
         let url = database_url.to_owned();
         tasks.spawn(async move {
             let client = outbox_relay::db::connect(&url).await?;
+            let token = outbox_relay::actors::coordinator::seize_shard(
+                &client,
+                shard,
+                "sql-ceiling",
+                std::time::Duration::from_secs(3600),
+            )
+            .await?;
             let claim = client.prepare_typed(CLAIM_SQL, CLAIM_TYPES).await?;
             let mark = client.prepare_typed(MARK_SQL, MARK_TYPES).await?;
             let (mut rows, mut statements) = (0u64, 0u64);
@@ -47,7 +54,14 @@ pub async fn run(
                 let claimed = client
                     .query(
                         &claim,
-                        &[&claim_batch, &lease_ms, &shard, &cursor.0, &cursor.1],
+                        &[
+                            &claim_batch,
+                            &lease_ms,
+                            &shard,
+                            &cursor.0,
+                            &cursor.1,
+                            &token,
+                        ],
                     )
                     .await?;
                 statements += 1;
@@ -64,12 +78,14 @@ pub async fn run(
                 let kinds = vec![1i16; ids.len()];
                 let delays = vec![0i64; ids.len()];
                 let errors: Vec<Option<&str>> = vec![None; ids.len()];
+                let tokens = vec![token; ids.len()];
                 client
-                    .query(&mark, &[&ids, &attempts, &kinds, &delays, &errors])
+                    .query(&mark, &[&ids, &attempts, &kinds, &delays, &errors, &tokens])
                     .await?;
                 statements += 1;
                 rows += ids.len() as u64;
             }
+            outbox_relay::actors::coordinator::release_shard(&client, token).await?;
             Ok::<_, outbox_relay::db::DbError>((rows, statements))
         });
     }

@@ -17,17 +17,27 @@ use tokio_postgres::types::Type;
 use tokio_postgres::Statement;
 use uuid::Uuid;
 
-use super::{reconnect_delay, Lease, Mark, Marked, MarkerMsg, PublisherMsg, Shared};
+use super::{reconnect_delay, Held, Lease, Mark, Marked, MarkerMsg, PublisherMsg, Shared};
 use crate::db::PooledConn;
 use crate::metrics as m;
 use crate::row::{compact_json, parse_headers, OutboxRow};
 use crate::sink::DeadReason;
 
 /// Every claim ends the same way: lease the rows chosen by its `claimable`
-/// CTE (`$2` ms) and return them. Literals only: the SQL stays constant.
+/// CTE (`$2` ms) and return them, if the shard (`$3`) is still held under the
+/// fencing token `$token` and its lease has not ended. A replica that lost the
+/// shard claims nothing: the database checks, in the statement itself (the
+/// `fence` InitPlan runs first, so a fenced claim scans nothing). Literals only:
+/// the SQL stays constant.
 macro_rules! claim_statement {
-    ($claimable:literal) => {
+    ($token:literal, $claimable:literal) => {
         concat!(
+            "WITH RECURSIVE fence AS (
+    SELECT 1 FROM outbox_relay_shard_leases
+    WHERE shard = $3 AND token = ",
+            $token,
+            " AND lease_until > now()
+), ",
             $claimable,
             "
 UPDATE outbox AS o
@@ -35,6 +45,7 @@ SET locked_until = now() + $2 * interval '1 millisecond',
     attempt_count = o.attempt_count + 1
 FROM claimable
 WHERE o.id = claimable.id
+  AND EXISTS (SELECT FROM fence)
 RETURNING o.id, o.tenant_id, o.aggregate_type, o.aggregate_id, o.event_type,
           o.payload::text, o.headers::text, o.idempotency_key, o.partition_key,
           o.created_at, o.attempt_count, o.available_at"
@@ -46,9 +57,11 @@ RETURNING o.id, o.tenant_id, o.aggregate_type, o.aggregate_id, o.event_type,
 /// `($4, $5)`. The scan walks `outbox_shard_ready_idx` in its order (PERF.md:
 /// a claim whose order does not match its index sorts the whole backlog).
 /// The cursor lets a claimer in a burst start after the rows it already has
-/// in flight instead of walking past their leases on every claim.
+/// in flight instead of walking past their leases on every claim. `$6`: the
+/// shard's fencing token.
 pub const CLAIM_SQL: &str = claim_statement!(
-    "WITH claimable AS (
+    "$6",
+    "claimable AS (
     SELECT id FROM outbox
     WHERE shard = $3
       AND published_at IS NULL AND dead_lettered_at IS NULL
@@ -67,9 +80,11 @@ pub const CLAIM_SQL: &str = claim_statement!(
 /// patterns) and which are due and not leased. A key whose head is in flight
 /// or waiting for a retry has nothing claimable: never two of a key in flight,
 /// and a failing event holds its key back. The recursive part skips from key
-/// to key through `outbox_shard_key_idx` (a loose index scan).
+/// to key through `outbox_shard_key_idx` (a loose index scan). `$5`: the
+/// shard's fencing token.
 pub const CLAIM_HEADS_SQL: &str = claim_statement!(
-    "WITH RECURSIVE heads (partition_key, id) AS (
+    "$5",
+    "heads (partition_key, id) AS (
     (SELECT partition_key, id FROM outbox
      WHERE shard = $3 AND published_at IS NULL AND dead_lettered_at IS NULL
      ORDER BY partition_key, id
@@ -96,9 +111,10 @@ pub const CLAIM_HEADS_SQL: &str = claim_statement!(
 );
 
 /// When some routes are ordered and others are not: the plain claim for the
-/// types no ordered route takes (`$6`).
+/// types no ordered route takes (`$6`). `$7`: the shard's fencing token.
 pub const CLAIM_UNORDERED_TYPES_SQL: &str = claim_statement!(
-    "WITH claimable AS (
+    "$7",
+    "claimable AS (
     SELECT id FROM outbox
     WHERE shard = $3
       AND published_at IS NULL AND dead_lettered_at IS NULL
@@ -119,8 +135,15 @@ pub const CLAIM_TYPES: &[Type] = &[
     Type::INT2,
     Type::TIMESTAMPTZ,
     Type::INT8,
+    Type::INT8,
 ];
-const CLAIM_HEADS_TYPES: &[Type] = &[Type::INT8, Type::INT8, Type::INT2, Type::TEXT_ARRAY];
+const CLAIM_HEADS_TYPES: &[Type] = &[
+    Type::INT8,
+    Type::INT8,
+    Type::INT2,
+    Type::TEXT_ARRAY,
+    Type::INT8,
+];
 const CLAIM_UNORDERED_TYPES_TYPES: &[Type] = &[
     Type::INT8,
     Type::INT8,
@@ -128,6 +151,7 @@ const CLAIM_UNORDERED_TYPES_TYPES: &[Type] = &[
     Type::TIMESTAMPTZ,
     Type::INT8,
     Type::TEXT_ARRAY,
+    Type::INT8,
 ];
 
 /// Where a claim starts when there is no cursor: the beginning of the shard.
@@ -160,11 +184,14 @@ pub struct Claimer;
 
 pub struct ClaimerArgs {
     pub shard: u32,
+    /// The shard's fencing token: this replica's tenure of it.
+    pub token: i64,
     pub shared: Arc<Shared>,
 }
 
 pub struct ClaimerState {
     shard: i16,
+    token: i64,
     /// `(available_at, id)` of the last row of the last full batch: the next
     /// claim of a burst starts after it. Reset whenever a claim comes back short.
     cursor: (DateTime<Utc>, i64),
@@ -193,6 +220,7 @@ impl Actor for Claimer {
         myself.cast(ClaimerMsg::Claim)?;
         Ok(ClaimerState {
             shard: args.shard as i16,
+            token: args.token,
             cursor: no_cursor(),
             shared: args.shared,
             conn: None,
@@ -302,13 +330,13 @@ async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerSt
     let mut leases = Vec::with_capacity(got);
     for row in &rows {
         let one = permit.split(1).expect("one permit per claimed row");
-        leases.push(Lease::new(
-            row.id,
-            row.attempt,
-            expires,
-            one,
-            &shared.in_flight,
-        ));
+        let held = Held {
+            id: row.id,
+            attempt: row.attempt,
+            shard: state.shard,
+            token: state.token,
+        };
+        leases.push(Lease::new(held, expires, one, &shared.in_flight));
     }
     drop(permit); // permits for rows we did not get go back
     gauge!(m::IN_FLIGHT).set(shared.in_flight_count() as f64);
@@ -395,7 +423,13 @@ async fn claim(
             c.conn
                 .query(
                     heads,
-                    &[&limit, &lease_ms, &state.shard, &state.ordered_patterns],
+                    &[
+                        &limit,
+                        &lease_ms,
+                        &state.shard,
+                        &state.ordered_patterns,
+                        &state.token,
+                    ],
                 )
                 .await?,
         );
@@ -414,6 +448,7 @@ async fn claim(
                         &after_available,
                         &after_id,
                         &state.ordered_patterns,
+                        &state.token,
                     ],
                 )
                 .await?
@@ -421,7 +456,14 @@ async fn claim(
             c.conn
                 .query(
                     plain,
-                    &[&rest, &lease_ms, &state.shard, &after_available, &after_id],
+                    &[
+                        &rest,
+                        &lease_ms,
+                        &state.shard,
+                        &after_available,
+                        &after_id,
+                        &state.token,
+                    ],
                 )
                 .await?
         });

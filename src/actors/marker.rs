@@ -1,7 +1,9 @@
 //! Marker: collects outcomes and writes them in one multi-row UPDATE every
 //! `mark_batch` rows or `mark_interval`, whichever comes first. Every write is
-//! fenced by the lease it was claimed under (`attempt_count`): a relay whose
-//! lease expired and was taken by another cannot overwrite the newer state.
+//! fenced twice: by the row's lease (`attempt_count`), so a relay whose lease
+//! expired and was taken by another cannot overwrite the newer state; and by
+//! the shard's fencing token, so a replica that lost the shard (paused past
+//! its shard lease, cut off) has its late marks refused by the database.
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering as AtomicOrdering;
@@ -13,7 +15,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio_postgres::types::Type;
 use tokio_postgres::Statement;
 
-use super::{reconnect_delay, Mark, Marked, Shared};
+use super::{reconnect_delay, Held, Mark, Marked, Shared};
 use crate::db::PooledConn;
 use crate::metrics as m;
 
@@ -23,7 +25,9 @@ const KIND_DEAD: i16 = 3;
 const KIND_RELEASE: i16 = 4;
 
 /// One statement for every kind of outcome; rows whose lease moved on
-/// (`attempt_count` differs) or that are already final are left alone.
+/// (`attempt_count` differs), whose shard is no longer held under the token
+/// they were claimed with (or whose shard lease ended), or that are already
+/// final are left alone.
 /// "Not final" is written `coalesce(…) IS NULL` on purpose: spelled as two
 /// `IS NULL` tests it matches the partial indexes' predicate, and with stale
 /// statistics (right after a bulk load) the generic plan walked the whole
@@ -39,10 +43,12 @@ pub const MARK_SQL: &str = "UPDATE outbox AS o SET
                             WHEN u.kind = 1 THEN NULL
                             ELSE o.last_error END,
     locked_until     = NULL
-FROM unnest($1::bigint[], $2::int4[], $3::int2[], $4::int8[], $5::text[])
-     AS u(id, attempt, kind, delay_ms, error)
+FROM unnest($1::bigint[], $2::int4[], $3::int2[], $4::int8[], $5::text[], $6::int8[])
+     AS u(id, attempt, kind, delay_ms, error, token),
+     outbox_relay_shard_leases AS l
 WHERE o.id = u.id
   AND o.attempt_count = u.attempt
+  AND l.shard = o.shard AND l.token = u.token AND l.lease_until > now()
   AND coalesce(o.published_at, o.dead_lettered_at) IS NULL
 RETURNING o.id";
 
@@ -52,6 +58,7 @@ pub const MARK_TYPES: &[Type] = &[
     Type::INT2_ARRAY,
     Type::INT8_ARRAY,
     Type::TEXT_ARRAY,
+    Type::INT8_ARRAY,
 ];
 
 pub enum MarkerMsg {
@@ -60,9 +67,9 @@ pub enum MarkerMsg {
     Flush,
     /// Write everything pending now; replies when written (or given up).
     FlushNow(RpcReplyPort<()>),
-    /// Give back the leases of rows `(id, attempt)` that were never delivered;
-    /// replies with how many rows it released.
-    Release(Vec<(i64, i32)>, RpcReplyPort<u64>),
+    /// Give back the leases of rows that were never delivered; replies with
+    /// how many rows it released.
+    Release(Vec<Held>, RpcReplyPort<u64>),
 }
 
 pub struct Marker;
@@ -149,9 +156,11 @@ async fn flush(myself: &ActorRef<MarkerMsg>, state: &mut MarkerState) -> bool {
     let mut kinds = Vec::with_capacity(state.pending.len());
     let mut delays = Vec::with_capacity(state.pending.len());
     let mut errors: Vec<Option<&str>> = Vec::with_capacity(state.pending.len());
+    let mut tokens = Vec::with_capacity(state.pending.len());
     for marked in &state.pending {
         ids.push(marked.lease.id);
         attempts.push(marked.lease.attempt);
+        tokens.push(marked.lease.token);
         let (kind, delay, error) = match &marked.mark {
             Mark::Published => (KIND_PUBLISHED, 0i64, None),
             Mark::Retry { delay, error, .. } => {
@@ -167,7 +176,7 @@ async fn flush(myself: &ActorRef<MarkerMsg>, state: &mut MarkerState) -> bool {
     let result = execute(
         &mut state.conn,
         &state.shared.pool,
-        (&ids, &attempts, &kinds, &delays, &errors),
+        (&ids, &attempts, &kinds, &delays, &errors, &tokens),
     )
     .await;
     drop(errors);
@@ -199,19 +208,20 @@ async fn flush(myself: &ActorRef<MarkerMsg>, state: &mut MarkerState) -> bool {
     }
 }
 
-/// The marker's parallel arrays: id, attempt, kind, delay (ms), error.
+/// The marker's parallel arrays: id, attempt, kind, delay (ms), error, token.
 type MarkArrays<'a> = (
     &'a [i64],
     &'a [i32],
     &'a [i16],
     &'a [i64],
     &'a [Option<&'a str>],
+    &'a [i64],
 );
 
 async fn execute(
     slot: &mut Option<(PooledConn, Statement)>,
     pool: &crate::db::Pool,
-    (ids, attempts, kinds, delays, errors): MarkArrays<'_>,
+    (ids, attempts, kinds, delays, errors, tokens): MarkArrays<'_>,
 ) -> Result<HashSet<i64>, MarkError> {
     if slot.is_none() {
         let conn = pool.get_owned().await?;
@@ -220,7 +230,7 @@ async fn execute(
     }
     let (conn, stmt) = slot.as_ref().expect("connected above");
     let rows = conn
-        .query(stmt, &[&ids, &attempts, &kinds, &delays, &errors])
+        .query(stmt, &[&ids, &attempts, &kinds, &delays, &errors, &tokens])
         .await?;
     Ok(rows.iter().map(|r| r.get::<_, i64>(0)).collect())
 }
@@ -262,26 +272,27 @@ fn account(shared: &Shared, marked: &[Marked], applied: &HashSet<i64>) {
     if fenced > 0 {
         tracing::info!(
             fenced,
-            "marks refused: those rows' leases were taken by another claim"
+            "marks refused: those rows' leases were taken by another claim, or their shard by another replica"
         );
         counter!(m::MARKS_FENCED).increment(fenced);
         counters.fenced.fetch_add(fenced, AtomicOrdering::Relaxed);
     }
 }
 
-async fn release(state: &mut MarkerState, rows: &[(i64, i32)]) -> Result<u64, MarkError> {
+async fn release(state: &mut MarkerState, rows: &[Held]) -> Result<u64, MarkError> {
     if rows.is_empty() {
         return Ok(0);
     }
-    let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
-    let attempts: Vec<i32> = rows.iter().map(|r| r.1).collect();
+    let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+    let attempts: Vec<i32> = rows.iter().map(|r| r.attempt).collect();
+    let tokens: Vec<i64> = rows.iter().map(|r| r.token).collect();
     let kinds = vec![KIND_RELEASE; rows.len()];
     let delays = vec![0i64; rows.len()];
     let errors: Vec<Option<&str>> = vec![None; rows.len()];
     let applied = execute(
         &mut state.conn,
         &state.shared.pool,
-        (&ids, &attempts, &kinds, &delays, &errors),
+        (&ids, &attempts, &kinds, &delays, &errors, &tokens),
     )
     .await?;
     Ok(applied.len() as u64)

@@ -2,7 +2,9 @@
 //!
 //! ```text
 //! Supervisor ─┬─ Listener        LISTEN on its own connection; wakes claimers
-//!             ├─ Claimer × shards claim a batch under a lease; hand rows out
+//!             ├─ Coordinator     lease a fair share of the shards; start and
+//!             │                  stop their claimers; hand shards over
+//!             ├─ Claimer × owned shards  claim a batch under a lease; hand rows out
 //!             ├─ Publisher × N    deliver through a sink; one outcome per row
 //!             └─ Marker           write outcomes in multi-row, fenced UPDATEs
 //! ```
@@ -12,6 +14,7 @@
 //! their leases expire and they are claimed again.
 
 pub mod claimer;
+pub mod coordinator;
 pub mod listener;
 pub mod marker;
 pub mod publisher;
@@ -33,6 +36,7 @@ use crate::row::OutboxRow;
 use crate::sink::{DeadReason, RetryReason, Sinks};
 
 pub use claimer::ClaimerMsg;
+pub use coordinator::CoordinatorMsg;
 pub use marker::MarkerMsg;
 pub use publisher::PublisherMsg;
 pub use supervisor::SupervisorMsg;
@@ -50,6 +54,10 @@ pub struct Shared {
     pub directory: Directory,
     pub counters: Arc<Counters>,
     pub hooks: Hooks,
+    /// The shards this replica holds, with their fencing tokens.
+    pub ownership: Ownership,
+    /// This replica's name in `outbox_relay_replicas` and the shard leases.
+    pub replica_id: String,
 }
 
 impl Shared {
@@ -100,20 +108,42 @@ impl Counters {
     }
 }
 
-/// Rows this relay holds a lease on: id → attempt (the fencing token).
-/// Used on shutdown to release the leases of rows that were not delivered.
+/// A row this relay holds a lease on, with what fences its mark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Held {
+    pub id: i64,
+    /// The row's lease (`attempt_count` when claimed).
+    pub attempt: i32,
+    pub shard: i16,
+    /// The shard's fencing token when the row was claimed.
+    pub token: i64,
+}
+
+/// Rows this relay holds a lease on, by id. Used on shutdown and handover to
+/// release the leases of rows that were not delivered.
 #[derive(Debug, Default)]
 pub struct InFlight {
-    rows: Mutex<HashMap<i64, i32>>,
+    rows: Mutex<HashMap<i64, Held>>,
 }
 
 impl InFlight {
-    pub fn snapshot(&self) -> Vec<(i64, i32)> {
+    pub fn snapshot(&self) -> Vec<Held> {
         self.rows
             .lock()
             .expect("in-flight lock")
-            .iter()
-            .map(|(id, attempt)| (*id, *attempt))
+            .values()
+            .copied()
+            .collect()
+    }
+
+    /// The rows of one shard.
+    pub fn of_shard(&self, shard: i16) -> Vec<Held> {
+        self.rows
+            .lock()
+            .expect("in-flight lock")
+            .values()
+            .filter(|h| h.shard == shard)
+            .copied()
             .collect()
     }
 
@@ -133,6 +163,9 @@ impl InFlight {
 pub struct Lease {
     pub id: i64,
     pub attempt: i32,
+    pub shard: i16,
+    /// The shard's fencing token the row was claimed under.
+    pub token: i64,
     /// When the database lets another claim take the row (as this process
     /// sees it: the claim's start plus the lease).
     pub expires: std::time::Instant,
@@ -142,8 +175,7 @@ pub struct Lease {
 
 impl Lease {
     pub fn new(
-        id: i64,
-        attempt: i32,
+        held: Held,
         expires: std::time::Instant,
         permit: OwnedSemaphorePermit,
         in_flight: &Arc<InFlight>,
@@ -152,10 +184,12 @@ impl Lease {
             .rows
             .lock()
             .expect("in-flight lock")
-            .insert(id, attempt);
+            .insert(held.id, held);
         Lease {
-            id,
-            attempt,
+            id: held.id,
+            attempt: held.attempt,
+            shard: held.shard,
+            token: held.token,
             expires,
             _permit: permit,
             in_flight: Arc::clone(in_flight),
@@ -167,9 +201,78 @@ impl Drop for Lease {
     fn drop(&mut self) {
         let mut rows = self.in_flight.rows.lock().expect("in-flight lock");
         // A newer claim of the same row (after our lease expired) keeps its entry.
-        if rows.get(&self.id) == Some(&self.attempt) {
+        if rows
+            .get(&self.id)
+            .is_some_and(|h| h.attempt == self.attempt)
+        {
             rows.remove(&self.id);
         }
+    }
+}
+
+/// The shards this replica holds: shard → its fencing token and when its
+/// lease ends as this process sees it (measured before the statement that
+/// took or renewed it, so never later than the database's). Publishers check
+/// it before sending: a replica paused past its lease drops what it held.
+#[derive(Debug, Default)]
+pub struct Ownership {
+    shards: Mutex<HashMap<i16, Tenure>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tenure {
+    pub token: i64,
+    pub until: std::time::Instant,
+}
+
+impl Ownership {
+    /// Is `token` still this replica's tenure of `shard`, and not over?
+    pub fn holds(&self, shard: i16, token: i64) -> bool {
+        self.shards
+            .lock()
+            .expect("ownership lock")
+            .get(&shard)
+            .is_some_and(|t| t.token == token && t.until > std::time::Instant::now())
+    }
+
+    pub fn set(&self, shard: i16, tenure: Tenure) {
+        self.shards
+            .lock()
+            .expect("ownership lock")
+            .insert(shard, tenure);
+    }
+
+    pub fn remove(&self, shard: i16) -> Option<Tenure> {
+        self.shards.lock().expect("ownership lock").remove(&shard)
+    }
+
+    pub fn get(&self, shard: i16) -> Option<Tenure> {
+        self.shards
+            .lock()
+            .expect("ownership lock")
+            .get(&shard)
+            .copied()
+    }
+
+    /// Shards held, in order.
+    pub fn shards(&self) -> Vec<(i16, Tenure)> {
+        let mut v: Vec<_> = self
+            .shards
+            .lock()
+            .expect("ownership lock")
+            .iter()
+            .map(|(s, t)| (*s, *t))
+            .collect();
+        v.sort_unstable_by_key(|(s, _)| *s);
+        v
+    }
+
+    pub fn len(&self) -> usize {
+        self.shards.lock().expect("ownership lock").len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -206,6 +309,7 @@ pub struct Directory {
     claimers: RwLock<Vec<Option<ActorRef<ClaimerMsg>>>>,
     publishers: RwLock<Vec<Option<ActorRef<PublisherMsg>>>>,
     marker: RwLock<Option<ActorRef<MarkerMsg>>>,
+    coordinator: RwLock<Option<ActorRef<CoordinatorMsg>>>,
     next_publisher: AtomicUsize,
 }
 
@@ -215,12 +319,27 @@ impl Directory {
             claimers: RwLock::new(vec![None; shards]),
             publishers: RwLock::new(vec![None; publishers]),
             marker: RwLock::new(None),
+            coordinator: RwLock::new(None),
             next_publisher: AtomicUsize::new(0),
         }
     }
 
     pub fn marker(&self) -> Option<ActorRef<MarkerMsg>> {
         self.marker.read().expect("directory lock").clone()
+    }
+
+    pub fn coordinator(&self) -> Option<ActorRef<CoordinatorMsg>> {
+        self.coordinator.read().expect("directory lock").clone()
+    }
+
+    /// The claimer of `shard`, if one runs.
+    pub fn claimer(&self, shard: usize) -> Option<ActorRef<ClaimerMsg>> {
+        self.claimers
+            .read()
+            .expect("directory lock")
+            .get(shard)
+            .cloned()
+            .flatten()
     }
 
     pub fn claimers(&self) -> Vec<ActorRef<ClaimerMsg>> {
@@ -261,6 +380,10 @@ impl Directory {
 
     fn set_marker(&self, actor: Option<ActorRef<MarkerMsg>>) {
         *self.marker.write().expect("directory lock") = actor;
+    }
+
+    fn set_coordinator(&self, actor: Option<ActorRef<CoordinatorMsg>>) {
+        *self.coordinator.write().expect("directory lock") = actor;
     }
 
     /// Wakes every claimer (a NOTIFY arrived, or the listener reconnected).

@@ -63,10 +63,12 @@ impl Actor for Publisher {
                 panic!("injected publisher fault on row {}", row.id);
             }
         }
-        // A row that waited here past its lease may already be another claim's:
-        // publishing it now would only make a duplicate whose mark is refused.
-        // Drop it; its new claim (or the next) delivers it.
-        let (rows, leases) = drop_expired(rows, leases, shared.config.http.request_timeout);
+        // A row that waited here past its lease may already be another claim's,
+        // and a row of a shard this replica no longer holds is the new owner's:
+        // publishing it now would only make a duplicate whose mark is refused
+        // (and, for an ordered key, could reach the destination after a later
+        // event). Drop it; its new claim (or the next) delivers it.
+        let (rows, leases) = drop_expired(&shared, rows, leases);
         if rows.is_empty() {
             return Ok(());
         }
@@ -88,24 +90,39 @@ impl Actor for Publisher {
 }
 
 /// Keeps the rows whose lease outlasts a whole request started now, so no row
-/// is ever being published after another claim may have taken it.
+/// is ever being published after another claim may have taken it, and whose
+/// shard this replica still holds under the token they were claimed with.
 fn drop_expired(
+    shared: &Shared,
     rows: Vec<OutboxRow>,
     leases: Vec<Lease>,
-    request_timeout: std::time::Duration,
 ) -> (Vec<OutboxRow>, Vec<Lease>) {
-    let cutoff = std::time::Instant::now() + request_timeout;
-    if leases.iter().all(|l| l.expires > cutoff) {
+    let cutoff = std::time::Instant::now() + shared.config.http.request_timeout;
+    let ownership = &shared.ownership;
+    let keep = |lease: &Lease| lease.expires > cutoff && ownership.holds(lease.shard, lease.token);
+    if leases.iter().all(keep) {
         return (rows, leases);
     }
-    let (kept, expired): (Vec<_>, Vec<_>) = rows
+    let (kept, dropped): (Vec<_>, Vec<_>) = rows
         .into_iter()
         .zip(leases)
-        .partition(|(_, lease)| lease.expires > cutoff);
-    tracing::warn!(
-        rows = expired.len(),
-        "rows waited for a publisher longer than their lease; skipped (raise relay.lease or lower relay.max_in_flight)"
-    );
+        .partition(|(_, lease)| keep(lease));
+    let lost_shard = dropped
+        .iter()
+        .filter(|(_, l)| !ownership.holds(l.shard, l.token))
+        .count();
+    if lost_shard > 0 {
+        tracing::info!(
+            rows = lost_shard,
+            "rows of a shard this replica no longer holds; skipped (the new owner delivers them)"
+        );
+    }
+    if dropped.len() > lost_shard {
+        tracing::warn!(
+            rows = dropped.len() - lost_shard,
+            "rows waited for a publisher longer than their lease; skipped (raise relay.lease or lower relay.max_in_flight)"
+        );
+    }
     kept.into_iter().unzip()
 }
 

@@ -1,8 +1,10 @@
 //! Supervisor: owns the tree. Spawns every child linked, restarts a failed
 //! child with the same arguments after a backoff (ractor restarts nothing by
 //! itself), counts restarts, and gives up when a child exhausts its restart
-//! budget. Shutdown runs here: claimers stop first, in-flight work gets the
-//! grace period, the marker flushes last, and undelivered leases are released.
+//! budget. Claimers run for the shards the coordinator holds: it asks for them
+//! to be started and stopped. Shutdown runs here: claimers stop first,
+//! in-flight work gets the grace period, the marker flushes, undelivered
+//! leases are released, and the shard leases are given back last.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -11,6 +13,7 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 
 use super::claimer::{Claimer, ClaimerArgs};
+use super::coordinator::{Coordinator, CoordinatorArgs, CoordinatorMsg};
 use super::listener::Listener;
 use super::marker::{Marker, MarkerMsg, FLUSH_TIMEOUT};
 use super::publisher::Publisher;
@@ -23,6 +26,7 @@ pub enum Child {
     Publisher(u32),
     Claimer(u32),
     Listener,
+    Coordinator,
 }
 
 impl Child {
@@ -32,12 +36,21 @@ impl Child {
             Child::Publisher(_) => "publisher",
             Child::Claimer(_) => "claimer",
             Child::Listener => "listener",
+            Child::Coordinator => "coordinator",
         }
     }
 }
 
 pub enum SupervisorMsg {
     Respawn(Child),
+    /// The coordinator took `shard` under `token`: run its claimer.
+    StartClaimer {
+        shard: u32,
+        token: i64,
+    },
+    /// The shard is being handed over or was lost: stop its claimer (and
+    /// reply once it has stopped, when asked to).
+    StopClaimer(u32, Option<RpcReplyPort<()>>),
     Shutdown(RpcReplyPort<ShutdownReport>),
     /// How many times each kind of child was restarted.
     Restarts(RpcReplyPort<HashMap<&'static str, u64>>),
@@ -60,6 +73,8 @@ pub struct SupervisorState {
     children: HashMap<ActorId, Child>,
     recent: HashMap<Child, VecDeque<Instant>>,
     restarts: HashMap<&'static str, u64>,
+    /// Shards whose claimers should run, with their fencing tokens.
+    claim_tokens: HashMap<u32, i64>,
     stopping: bool,
 }
 
@@ -77,14 +92,16 @@ impl Actor for Supervisor {
             children: HashMap::new(),
             recent: HashMap::new(),
             restarts: HashMap::new(),
+            claim_tokens: HashMap::new(),
             stopping: false,
             shared,
         };
         let relay = &state.shared.config.relay;
         let mut all = vec![Child::Marker];
         all.extend((0..relay.publishers).map(Child::Publisher));
-        all.extend((0..relay.shards).map(Child::Claimer));
         all.push(Child::Listener);
+        // Claimers start as the coordinator takes shards.
+        all.push(Child::Coordinator);
         for child in all {
             if let Err(e) = spawn(&myself, &mut state, child).await {
                 // Not fatal: try again shortly.
@@ -108,6 +125,12 @@ impl Actor for Supervisor {
                 if state.stopping {
                     return Ok(());
                 }
+                if let Child::Claimer(shard) = child {
+                    if !state.claim_tokens.contains_key(&shard) {
+                        // The shard was handed over or lost meanwhile.
+                        return Ok(());
+                    }
+                }
                 match spawn(&myself, state, child).await {
                     Ok(()) => tracing::info!(actor = child.label(), "restarted"),
                     Err(e) => {
@@ -115,6 +138,26 @@ impl Actor for Supervisor {
                         tracing::warn!(actor = child.label(), error = %e, retry_in = ?delay, "restart failed; retrying");
                         myself.send_after(delay, move || SupervisorMsg::Respawn(child));
                     }
+                }
+            }
+            SupervisorMsg::StartClaimer { shard, token } => {
+                if state.stopping {
+                    return Ok(());
+                }
+                stop_claimer(state, shard).await;
+                state.claim_tokens.insert(shard, token);
+                if let Err(e) = spawn(&myself, state, Child::Claimer(shard)).await {
+                    tracing::warn!(shard, error = %e, "could not start the claimer; retrying");
+                    myself.send_after(Duration::from_millis(100), move || {
+                        SupervisorMsg::Respawn(Child::Claimer(shard))
+                    });
+                }
+            }
+            SupervisorMsg::StopClaimer(shard, reply) => {
+                state.claim_tokens.remove(&shard);
+                stop_claimer(state, shard).await;
+                if let Some(reply) = reply {
+                    let _ = reply.send(());
                 }
             }
             SupervisorMsg::Shutdown(reply) => {
@@ -209,8 +252,12 @@ async fn spawn(
             actor.get_id()
         }
         Child::Claimer(shard) => {
+            let Some(&token) = state.claim_tokens.get(&shard) else {
+                return Ok(());
+            };
             let args = ClaimerArgs {
                 shard,
+                token,
                 shared: shared.clone(),
             };
             let (actor, _) = Actor::spawn_linked(None, Claimer, args, cell).await?;
@@ -221,6 +268,15 @@ async fn spawn(
         }
         Child::Listener => {
             let (actor, _) = Actor::spawn_linked(None, Listener, shared.clone(), cell).await?;
+            actor.get_id()
+        }
+        Child::Coordinator => {
+            let args = CoordinatorArgs {
+                shared: shared.clone(),
+                supervisor: myself.clone(),
+            };
+            let (actor, _) = Actor::spawn_linked(None, Coordinator, args, cell).await?;
+            shared.directory.set_coordinator(Some(actor.clone()));
             actor.get_id()
         }
     };
@@ -234,11 +290,32 @@ fn forget(shared: &Shared, child: Child) {
         Child::Publisher(i) => shared.directory.set_publisher(i as usize, None),
         Child::Claimer(shard) => shared.directory.set_claimer(shard as usize, None),
         Child::Listener => {}
+        Child::Coordinator => shared.directory.set_coordinator(None),
     }
+}
+
+/// Stops the shard's claimer, if one runs, without restarting it.
+async fn stop_claimer(state: &mut SupervisorState, shard: u32) {
+    let Some(actor) = state.shared.directory.claimer(shard as usize) else {
+        return;
+    };
+    state.children.remove(&actor.get_id());
+    state.shared.directory.set_claimer(shard as usize, None);
+    let _ = actor
+        .stop_and_wait(
+            Some("shard handed over".into()),
+            Some(Duration::from_secs(5)),
+        )
+        .await;
 }
 
 async fn shutdown(state: &mut SupervisorState) -> ShutdownReport {
     let shared = Arc::clone(&state.shared);
+    // 0. Take no more shards (leases keep being renewed until step 4).
+    let coordinator = shared.directory.coordinator();
+    if let Some(c) = &coordinator {
+        let _ = c.cast(CoordinatorMsg::Stopping);
+    }
     // 1. Stop claiming.
     for claimer in shared.directory.claimers() {
         let _ = claimer
@@ -266,7 +343,14 @@ async fn shutdown(state: &mut SupervisorState) -> ShutdownReport {
             }
         }
     }
-    // 4. Everything else. Publishers still waiting on a destination are cut off:
+    // 4. Give the shard leases back: the other replicas take them at once.
+    if let Some(c) = &coordinator {
+        let _ = c.call(CoordinatorMsg::Leave, Some(FLUSH_TIMEOUT)).await;
+        let _ = c
+            .stop_and_wait(Some("shutdown".into()), Some(Duration::from_secs(5)))
+            .await;
+    }
+    // 5. Everything else. Publishers still waiting on a destination are cut off:
     //    their rows were released above.
     for publisher in shared.directory.publishers() {
         publisher.kill();

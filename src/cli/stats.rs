@@ -121,7 +121,63 @@ fn render_tables(report: &Stats) -> String {
     } else {
         out.push_str(&format!("\n{types}\n"));
     }
+    out.push_str(&render_replicas(report));
     out
+}
+
+fn render_replicas(report: &Stats) -> String {
+    if report.replicas.is_empty() {
+        return "\nno relay replica seen in the last 10 minutes\n".to_owned();
+    }
+    let mut replicas = Table::new();
+    replicas
+        .load_style(UTF8_FULL_CONDENSED)
+        .set_header(vec!["replica", "host", "pid", "up since", "seen", "shards"]);
+    for r in &report.replicas {
+        let seen = if r.alive {
+            format!("{} ago", age(Some(r.seen_seconds_ago)))
+        } else {
+            format!("{} ago (gone)", age(Some(r.seen_seconds_ago)))
+        };
+        replicas.add_row(vec![
+            r.replica.clone(),
+            r.hostname.clone(),
+            r.pid.to_string(),
+            r.started_at.format("%Y-%m-%d %H:%M:%S UTC").to_string(),
+            seen,
+            format!("{} {}", r.shards.len(), shard_list(&r.shards)),
+        ]);
+    }
+    let unowned = if report.unowned_shards.is_empty() {
+        "every shard is held".to_owned()
+    } else {
+        format!(
+            "shards held by no live replica: {}",
+            shard_list(&report.unowned_shards)
+        )
+    };
+    format!("\n{replicas}\n{unowned}\n")
+}
+
+/// `[0, 1, 2, 5]` as `[0-2, 5]`.
+fn shard_list(shards: &[i16]) -> String {
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < shards.len() {
+        let start = shards[i];
+        let mut end = start;
+        while i + 1 < shards.len() && shards[i + 1] == end + 1 {
+            i += 1;
+            end = shards[i];
+        }
+        parts.push(if start == end {
+            start.to_string()
+        } else {
+            format!("{start}-{end}")
+        });
+        i += 1;
+    }
+    format!("[{}]", parts.join(", "))
 }
 
 fn right_align(table: &mut Table, columns: std::ops::Range<usize>) {
@@ -171,5 +227,12 @@ mod tests {
         assert_eq!(age(None), "-");
         assert_eq!(age(Some(0.25)), "250ms");
         assert_eq!(age(Some(192.7)), "3m 12s");
+    }
+
+    #[test]
+    fn shard_lists_fold_runs() {
+        assert_eq!(shard_list(&[]), "[]");
+        assert_eq!(shard_list(&[3]), "[3]");
+        assert_eq!(shard_list(&[0, 1, 2, 5, 7, 8]), "[0-2, 5, 7-8]");
     }
 }

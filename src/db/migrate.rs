@@ -30,6 +30,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "shards",
         sql: include_str!("../../migrations/0004_shards.sql"),
     },
+    Migration {
+        version: 5,
+        name: "shard_leases",
+        sql: include_str!("../../migrations/0005_shard_leases.sql"),
+    },
 ];
 
 /// Arbitrary, fixed: "outbox-relay migrate" as an advisory lock key.

@@ -10,6 +10,7 @@ pub const METRIC_NAMES: &[&str] = &[
     CLAIMS_TOTAL,
     ACTOR_RESTARTS_TOTAL,
     MARKS_FENCED_TOTAL,
+    SHARD_HANDOVERS_TOTAL,
     BACKLOG,
     OLDEST_PENDING_AGE_SECONDS,
     DEAD_LETTERS,
@@ -17,6 +18,7 @@ pub const METRIC_NAMES: &[&str] = &[
     STUCK_LEASES,
     OUTBOX_DEAD_TUPLES,
     IN_FLIGHT,
+    SHARDS_OWNED,
     PUBLISH_DURATION_SECONDS,
     BATCH_SIZE,
     COMMIT_TO_ACK_SECONDS,
@@ -39,6 +41,11 @@ pub const ACTOR_RESTARTS_TOTAL: &str = "outbox_relay_actor_restarts_total";
 /// Counter: outcomes the database refused because the row's lease had moved
 /// on to a newer claim (fencing at work).
 pub const MARKS_FENCED_TOTAL: &str = "outbox_relay_marks_fenced_total";
+/// Counter, label `kind`: `acquired`, `released` (handed over, or given
+/// back on shutdown), `lost` (not renewed in time, or taken by another replica).
+pub const SHARD_HANDOVERS_TOTAL: &str = "outbox_relay_shard_handovers_total";
+/// Gauge: shards this replica holds a lease on.
+pub const SHARDS_OWNED: &str = "outbox_relay_shards_owned";
 /// Gauge: pending rows (not published, not dead-lettered).
 pub const BACKLOG: &str = "outbox_relay_backlog";
 /// Gauge: age of the oldest pending row; the number to alert on.

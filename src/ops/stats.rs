@@ -76,6 +76,25 @@ pub struct Stats {
     pub published_per_minute: Vec<MinuteBucket>,
     /// Every event type with pending, dead, or recently published rows, by name.
     pub event_types: Vec<EventTypeStats>,
+    /// Relay replicas seen in the last ten minutes, by name, with their shards.
+    pub replicas: Vec<ReplicaStats>,
+    /// Shards no live replica holds a lease on (nobody is claiming there).
+    pub unowned_shards: Vec<i16>,
+}
+
+/// One relay replica and the shards it holds.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ReplicaStats {
+    pub replica: String,
+    pub hostname: String,
+    pub pid: i32,
+    pub started_at: DateTime<Utc>,
+    /// Since its last heartbeat.
+    pub seen_seconds_ago: f64,
+    /// Its heartbeat is current (it counts in the fair share).
+    pub alive: bool,
+    /// Shards whose lease it holds now, in order.
+    pub shards: Vec<i16>,
 }
 
 /// Buckets in [`Stats::published_per_minute`].
@@ -110,6 +129,23 @@ SELECT now(),
        pending.stuck_leases,
        tuples.dead_tuples
 FROM pending, dead, tuples";
+
+const REPLICAS_SQL: &str = "
+SELECT r.replica, r.hostname, r.pid, r.started_at,
+       extract(epoch FROM now() - r.seen_at)::float8,
+       r.alive_until > now(),
+       coalesce(array_agg(l.shard ORDER BY l.shard) FILTER (WHERE l.shard IS NOT NULL),
+                '{}')
+FROM outbox_relay_replicas AS r
+LEFT JOIN outbox_relay_shard_leases AS l
+       ON l.owner = r.replica AND l.lease_until > now()
+GROUP BY r.replica
+ORDER BY r.replica";
+
+const UNOWNED_SQL: &str = "
+SELECT coalesce(array_agg(shard ORDER BY shard), '{}')
+FROM outbox_relay_shard_leases
+WHERE owner IS NULL OR lease_until IS NULL OR lease_until <= now()";
 
 // Only rows published inside the window are read, through outbox_published_at_idx.
 const PER_MINUTE_SQL: &str = "
@@ -207,10 +243,27 @@ pub async fn stats(client: &mut Client) -> Result<Stats, tokio_postgres::Error> 
             published_last_hour: r.get(4),
         })
         .collect();
+    let replicas = tx
+        .query(REPLICAS_SQL, &[])
+        .await?
+        .iter()
+        .map(|r| ReplicaStats {
+            replica: r.get(0),
+            hostname: r.get(1),
+            pid: r.get(2),
+            started_at: r.get(3),
+            seen_seconds_ago: r.get(4),
+            alive: r.get(5),
+            shards: r.get(6),
+        })
+        .collect();
+    let unowned_shards = tx.query_one(UNOWNED_SQL, &[]).await?.get(0);
     tx.commit().await?;
     Ok(Stats {
         snapshot,
         published_per_minute,
         event_types,
+        replicas,
+        unowned_shards,
     })
 }

@@ -2,6 +2,7 @@
 //! port, relay configs, and database helpers.
 #![allow(dead_code)]
 
+pub mod process;
 pub mod sink;
 
 use std::time::Duration;
@@ -38,6 +39,7 @@ pub fn config_toml(db: &TestDb, sink_url: &str, routes: &str) -> String {
         backoff_cap = "100ms"
         mark_interval = "5ms"
         shutdown_grace = "5s"
+        shard_lease = "2s"
         [qstash]
         url = "{sink}"
         token = "{TOKEN}"

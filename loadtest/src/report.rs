@@ -508,3 +508,54 @@ impl Report {
         std::fs::write(path, svg)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_shows_chaos_per_replica_and_shards_only_when_exported() {
+        let mut chaos = ChaosStats::new(3);
+        chaos.record_kill(0);
+        chaos.record_kill(2);
+        chaos.record_pause(1, std::time::Duration::from_millis(4500));
+        let today = |replica| ReplicaMetrics {
+            replica,
+            metrics_port: 9000 + replica as u16,
+            scraped: replica != 2,
+            events_published: (replica != 2).then_some(10.0),
+            ..Default::default()
+        };
+        let mut report = Report {
+            replicas: 3,
+            chaos: Some(chaos),
+            replica_metrics: (0..3).map(today).collect(),
+            ..Default::default()
+        };
+        let t = report.table();
+        assert!(t.contains("relay replicas            3"), "{t}");
+        assert!(
+            t.contains("chaos kills               2 (r0 1, r1 0, r2 1)"),
+            "{t}"
+        );
+        assert!(
+            t.contains("chaos pauses              1 (r0 0, r1 1, r2 0)"),
+            "{t}"
+        );
+        assert!(t.contains("time paused               4.5 s"), "{t}");
+        assert!(t.contains("r0 10, r1 10, r2 unreachable"), "{t}");
+        assert!(!t.contains("shards owned"), "{t}");
+
+        report.replica_metrics[0].shards_owned = Some(3.0);
+        report.replica_metrics[0]
+            .shard_handovers
+            .insert("acquired".into(), 4.0);
+        report.replica_metrics[1].shards_owned = Some(5.0);
+        let t = report.table();
+        assert!(
+            t.contains("shards owned              r0 3, r1 5, r2 unreachable"),
+            "{t}"
+        );
+        assert!(t.contains("r0 [acquired 4]"), "{t}");
+    }
+}

@@ -13,6 +13,7 @@
 //! file; [`sink`] is usable on its own by the relay's tests.
 
 pub mod ceiling;
+pub mod metrics;
 pub mod procstat;
 pub mod producer;
 pub mod relay;

@@ -95,7 +95,8 @@ enum Command {
         /// as new as the library, else `embedded`.
         #[arg(long)]
         relay_bin: Option<PathBuf>,
-        /// Where relay.toml, relay.log, report.json and report.svg go.
+        /// Where relay.toml, relay.log (relay-<i>.toml, relay-<i>.log per
+        /// replica when the scenario runs several), report.json and report.svg go.
         #[arg(long, default_value = "target/loadtest")]
         out: PathBuf,
         #[arg(long)]

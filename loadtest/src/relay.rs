@@ -229,6 +229,18 @@ impl RelayProcess {
         }
     }
 
+    /// SIGSTOP: the process is frozen (its sockets and leases stay as they
+    /// are) until [`resume`](Self::resume).
+    pub fn pause(&self) {
+        self.signal(libc::SIGSTOP);
+    }
+
+    /// SIGCONT; harmless when the process is not stopped.
+    pub fn resume(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    /// SIGCONT (a stopped process does not act on SIGTERM until continued),
     /// SIGTERM and wait; the relay must exit 0 within `timeout`, else it is killed.
     pub async fn terminate(mut self, timeout: Duration) -> Result<ExitStatus, RelayError> {
         if let Some(status) = self.exited() {
@@ -238,6 +250,7 @@ impl RelayProcess {
                 Err(RelayError::BadExit(status))
             };
         }
+        self.resume();
         self.signal(libc::SIGTERM);
         match tokio::time::timeout(timeout, self.child.wait()).await {
             Ok(status) => {
@@ -255,8 +268,10 @@ impl RelayProcess {
         }
     }
 
-    /// SIGKILL (a crash at any instruction) and reap it.
+    /// SIGKILL (a crash at any instruction) and reap it. A paused process is
+    /// continued first, so no stopped process is ever left behind.
     pub async fn kill(mut self) -> Result<ExitStatus, RelayError> {
+        self.resume();
         self.signal(libc::SIGKILL);
         Ok(self.child.wait().await?)
     }

@@ -10,6 +10,7 @@ use std::path::Path;
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
+use crate::metrics::ReplicaMetrics;
 use crate::procstat::RelayUsage;
 use crate::producer::ProduceStats;
 use crate::sink::{Record, SinkStats};
@@ -74,10 +75,70 @@ pub struct SecondPoint {
 }
 
 /// What the chaos loop did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChaosStats {
+    /// SIGKILLs, all replicas.
     pub kills: u64,
+    /// SIGSTOP/SIGCONT pauses, all replicas.
+    #[serde(default)]
+    pub pauses: u64,
     pub backends_terminated: u64,
+    /// Replicas that exited without being killed while chaos ran (e.g. a
+    /// relay whose startup query lost its connection to a backend cut), each
+    /// restarted at once as a process supervisor would: `replica <i>: <status>`.
+    /// Not a failure by itself; an exit during the drain or on SIGTERM is.
+    #[serde(default)]
+    pub exits: Vec<String>,
+    /// Per replica, by replica number.
+    #[serde(default)]
+    pub per_replica: Vec<ReplicaChaos>,
+}
+
+/// What the chaos loop did to one replica.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaChaos {
+    pub kills: u64,
+    pub pauses: u64,
+    /// Time spent stopped, summed over its pauses.
+    pub paused_ms: u64,
+    /// Exits on its own (restarted), see [`ChaosStats::exits`].
+    #[serde(default)]
+    pub exits: u64,
+}
+
+impl ChaosStats {
+    pub fn new(replicas: u32) -> Self {
+        ChaosStats {
+            per_replica: vec![ReplicaChaos::default(); replicas as usize],
+            ..Default::default()
+        }
+    }
+
+    pub fn record_kill(&mut self, replica: usize) {
+        self.kills += 1;
+        self.per_replica[replica].kills += 1;
+    }
+
+    pub fn record_exit(&mut self, replica: usize, status: std::process::ExitStatus) {
+        self.exits.push(format!("replica {replica}: {status}"));
+        self.per_replica[replica].exits += 1;
+    }
+
+    pub fn record_pause(&mut self, replica: usize, paused: std::time::Duration) {
+        self.pauses += 1;
+        self.per_replica[replica].pauses += 1;
+        self.per_replica[replica].paused_ms += paused.as_millis() as u64;
+    }
+}
+
+/// `"<total> (r0 a, r1 b, …)"`, or just the total with one replica.
+fn per_replica(total: u64, each: impl Iterator<Item = u64>) -> String {
+    let each: Vec<String> = each.enumerate().map(|(i, n)| format!("r{i} {n}")).collect();
+    if each.len() > 1 {
+        format!("{total} ({})", each.join(", "))
+    } else {
+        total.to_string()
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -108,9 +169,19 @@ pub struct Report {
     pub sink: SinkStats,
     #[serde(default)]
     pub chaos: Option<ChaosStats>,
+    /// Relay processes run side by side.
+    #[serde(default = "one")]
+    pub replicas: u32,
+    /// Each replica's `/metrics`, scraped once before it was stopped.
+    #[serde(default)]
+    pub replica_metrics: Vec<ReplicaMetrics>,
     pub passed: bool,
     pub failures: Vec<String>,
     pub verification: Verification,
+}
+
+fn one() -> u32 {
+    1
 }
 
 /// What [`Report::build`] needs.
@@ -208,6 +279,8 @@ impl Report {
             produced: input.produced,
             sink: input.sink,
             chaos: None,
+            replicas: 1,
+            replica_metrics: Vec::new(),
             passed: failures.is_empty(),
             failures,
             verification: input.verification,
@@ -218,7 +291,7 @@ impl Report {
     pub fn table(&self) -> String {
         let ms = |us: u64| format!("{:.2} ms", us as f64 / 1000.0);
         let v = &self.verification;
-        let rows: Vec<(&str, String)> = vec![
+        let mut rows: Vec<(&str, String)> = vec![
             ("scenario", self.scenario.clone()),
             (
                 "result",
@@ -228,6 +301,7 @@ impl Report {
                     "FAIL".into()
                 },
             ),
+            ("relay replicas", self.replicas.to_string()),
             ("rows in outbox", self.rows.to_string()),
             ("rows delivered", self.delivered.to_string()),
             ("duration", format!("{:.2} s", self.duration_secs)),
@@ -290,6 +364,56 @@ impl Report {
                 ),
             ),
         ];
+        if let Some(c) = &self.chaos {
+            rows.push((
+                "chaos kills",
+                per_replica(c.kills, c.per_replica.iter().map(|r| r.kills)),
+            ));
+            rows.push((
+                "chaos pauses",
+                per_replica(c.pauses, c.per_replica.iter().map(|r| r.pauses)),
+            ));
+            if c.pauses > 0 {
+                let paused: u64 = c.per_replica.iter().map(|r| r.paused_ms).sum();
+                rows.push(("time paused", format!("{:.1} s", paused as f64 / 1000.0)));
+            }
+            rows.push(("backends terminated", c.backends_terminated.to_string()));
+            if !c.exits.is_empty() {
+                rows.push((
+                    "exits during chaos",
+                    format!("{} restarted: {}", c.exits.len(), c.exits.join("; ")),
+                ));
+            }
+        }
+        let shown = |m: &ReplicaMetrics, v: Option<f64>| match v {
+            Some(v) => format!("r{} {v}", m.replica),
+            None if m.scraped => format!("r{} -", m.replica),
+            None => format!("r{} unreachable", m.replica),
+        };
+        let metrics = &self.replica_metrics;
+        if metrics.iter().any(|m| m.shards_owned.is_some()) {
+            let each: Vec<String> = metrics.iter().map(|m| shown(m, m.shards_owned)).collect();
+            rows.push(("shards owned", each.join(", ")));
+            let each: Vec<String> = metrics
+                .iter()
+                .map(|m| {
+                    let kinds: Vec<String> = m
+                        .shard_handovers
+                        .iter()
+                        .map(|(k, v)| format!("{k} {v}"))
+                        .collect();
+                    format!("r{} [{}]", m.replica, kinds.join(" "))
+                })
+                .collect();
+            rows.push(("shard handovers", each.join(", ")));
+        }
+        if metrics.iter().any(|m| m.events_published.is_some()) {
+            let each: Vec<String> = metrics
+                .iter()
+                .map(|m| shown(m, m.events_published))
+                .collect();
+            rows.push(("published (last process)", each.join(", ")));
+        }
         let width = rows
             .iter()
             .map(|(k, _)| k.chars().count())
@@ -382,5 +506,56 @@ impl Report {
     pub fn write_svg(&self, path: &Path) -> std::io::Result<()> {
         let svg = self.svg().map_err(std::io::Error::other)?;
         std::fs::write(path, svg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_shows_chaos_per_replica_and_shards_only_when_exported() {
+        let mut chaos = ChaosStats::new(3);
+        chaos.record_kill(0);
+        chaos.record_kill(2);
+        chaos.record_pause(1, std::time::Duration::from_millis(4500));
+        let today = |replica| ReplicaMetrics {
+            replica,
+            metrics_port: 9000 + replica as u16,
+            scraped: replica != 2,
+            events_published: (replica != 2).then_some(10.0),
+            ..Default::default()
+        };
+        let mut report = Report {
+            replicas: 3,
+            chaos: Some(chaos),
+            replica_metrics: (0..3).map(today).collect(),
+            ..Default::default()
+        };
+        let t = report.table();
+        assert!(t.contains("relay replicas            3"), "{t}");
+        assert!(
+            t.contains("chaos kills               2 (r0 1, r1 0, r2 1)"),
+            "{t}"
+        );
+        assert!(
+            t.contains("chaos pauses              1 (r0 0, r1 1, r2 0)"),
+            "{t}"
+        );
+        assert!(t.contains("time paused               4.5 s"), "{t}");
+        assert!(t.contains("r0 10, r1 10, r2 unreachable"), "{t}");
+        assert!(!t.contains("shards owned"), "{t}");
+
+        report.replica_metrics[0].shards_owned = Some(3.0);
+        report.replica_metrics[0]
+            .shard_handovers
+            .insert("acquired".into(), 4.0);
+        report.replica_metrics[1].shards_owned = Some(5.0);
+        let t = report.table();
+        assert!(
+            t.contains("shards owned              r0 3, r1 5, r2 unreachable"),
+            "{t}"
+        );
+        assert!(t.contains("r0 [acquired 4]"), "{t}");
     }
 }

@@ -4,12 +4,17 @@
 //!    throwaway cluster of our own (`testkit::ThrowawayCluster`);
 //! 2. `outbox-relay migrate`;
 //! 3. the in-process sink, with the scenario's faults;
-//! 4. the relay's TOML config (one QStash route to the sink), written to the output directory;
-//! 5. preload (drain), then the relay child process, sampled from `/proc`;
-//! 6. producers (steady, chaos, poison), and for chaos the kill/restart and
-//!    `pg_terminate_backend` loop while they run;
+//! 4. the relay's TOML config (one QStash route to the sink), written to the
+//!    output directory: `relay.toml`, or `relay-<i>.toml` per replica when the
+//!    scenario runs several (`replicas`), each with its own metrics port;
+//! 5. preload (drain), then the relay child processes (one per replica, logs in
+//!    `relay.log` / `relay-<i>.log`), sampled from `/proc`;
+//! 6. producers (steady, chaos, poison), and for chaos the loop that kills and
+//!    restarts random replicas, pauses (SIGSTOP) and continues them, and runs
+//!    `pg_terminate_backend`, while they run;
 //! 7. wait until the outbox has no pending row (bounded by `drain_timeout`);
-//! 8. SIGTERM the relay (it must exit 0), verify, report (table, JSON, SVG).
+//! 8. scrape each replica's `/metrics` once, SIGTERM every replica (each must
+//!    exit 0), verify, report (table, JSON, SVG).
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -21,11 +26,12 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::sync::{watch, Mutex};
 
+use crate::metrics::ReplicaMetrics;
 use crate::procstat::UsageTracker;
 use crate::producer::{self, ProduceProgress, ProduceStats, APPLICATION_NAME};
 use crate::relay::{RelayCommand, RelayError, RelayProcess, RelayProgram};
 use crate::report::{ChaosStats, Report, ReportInput};
-use crate::scenario::{relay_config_toml, ChaosSpec, Scenario, ScenarioKind};
+use crate::scenario::{replica_config_toml, ChaosSpec, Scenario, ScenarioKind};
 use crate::sink::{Sink, SinkConfig};
 use crate::verify::{verify, VerifyOptions};
 
@@ -140,10 +146,35 @@ fn now_us() -> i64 {
     chrono::Utc::now().timestamp_micros()
 }
 
-fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+/// `n` distinct free loopback ports for the replicas' metrics listeners,
+/// below the ephemeral range when possible: a killed replica restarts on its
+/// port, and an outgoing connection must not have taken it meanwhile.
+fn free_ports(n: usize) -> std::io::Result<Vec<u16>> {
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|t| t.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let mut rng = StdRng::from_os_rng();
+    let mut held = Vec::with_capacity(n);
+    let mut ports = Vec::with_capacity(n);
+    let mut tries = 0;
+    while ports.len() < n {
+        tries += 1;
+        let candidate = if ephemeral_low > 12000 && tries <= 1000 {
+            rng.random_range(10000..ephemeral_low)
+        } else {
+            0
+        };
+        let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", candidate)) else {
+            continue;
+        };
+        let port = l.local_addr()?.port();
+        if !ports.contains(&port) {
+            ports.push(port);
+            held.push(l);
+        }
+    }
+    Ok(ports)
 }
 
 const PENDING: &str =
@@ -156,15 +187,19 @@ FROM pg_stat_activity
 WHERE datname = current_database() AND pid <> pg_backend_pid()
   AND backend_type = 'client backend' AND application_name <> $1";
 
-/// The relay slot chaos swaps processes in and out of.
-struct RelaySlot {
+/// One relay replica: its command (config file with its own metrics port,
+/// its own log) and the process chaos swaps in and out.
+struct Replica {
+    index: u32,
+    cmd: RelayCommand,
+    metrics_port: u16,
     process: Mutex<Option<RelayProcess>>,
     pid: AtomicU32,
 }
 
-impl RelaySlot {
-    async fn start(&self, cmd: &RelayCommand) -> Result<(), RunError> {
-        let p = cmd.spawn()?;
+impl Replica {
+    async fn start(&self) -> Result<(), RunError> {
+        let p = self.cmd.spawn()?;
         self.pid.store(p.pid(), Ordering::Relaxed);
         *self.process.lock().await = Some(p);
         Ok(())
@@ -173,6 +208,20 @@ impl RelaySlot {
     async fn take(&self) -> Option<RelayProcess> {
         self.pid.store(0, Ordering::Relaxed);
         self.process.lock().await.take()
+    }
+
+    /// `Some(status)` when its process exited without us stopping it.
+    async fn exited(&self) -> Option<std::process::ExitStatus> {
+        self.process.lock().await.as_mut().and_then(|p| p.exited())
+    }
+}
+
+/// `relay.toml` / `relay.log` with one replica, `relay-<i>.toml` / `relay-<i>.log` with several.
+pub fn replica_file_name(stem: &str, ext: &str, replica: u32, replicas: u32) -> String {
+    if replicas == 1 {
+        format!("{stem}.{ext}")
+    } else {
+        format!("{stem}-{replica}.{ext}")
     }
 }
 
@@ -205,21 +254,37 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
     })
     .await
     .map_err(|e| setup("sink")(&e))?;
-    let config_path = opts.out_dir.join("relay.toml");
-    std::fs::write(
-        &config_path,
-        relay_config_toml(s, sink.addr().port(), free_port()?)?,
-    )?;
-    let cmd = RelayCommand {
-        bin: opts.relay.bin.clone(),
-        args: opts.relay.args.clone(),
-        config: config_path,
-        database_url: db.url.clone(),
-        qstash_url: sink.url(),
-        qstash_token: sink.token().to_owned(),
-        log: Some(opts.out_dir.join("relay.log")),
-    };
-    cmd.migrate().await?;
+    let mut replicas = Vec::with_capacity(s.replicas as usize);
+    for (i, port) in (0..s.replicas).zip(free_ports(s.replicas as usize)?) {
+        let config = opts
+            .out_dir
+            .join(replica_file_name("relay", "toml", i, s.replicas));
+        std::fs::write(
+            &config,
+            replica_config_toml(s, sink.addr().port(), port, i)?,
+        )?;
+        let cmd = RelayCommand {
+            bin: opts.relay.bin.clone(),
+            args: opts.relay.args.clone(),
+            config,
+            database_url: db.url.clone(),
+            qstash_url: sink.url(),
+            qstash_token: sink.token().to_owned(),
+            log: Some(
+                opts.out_dir
+                    .join(replica_file_name("relay", "log", i, s.replicas)),
+            ),
+        };
+        replicas.push(Replica {
+            index: i,
+            cmd,
+            metrics_port: port,
+            process: Mutex::new(None),
+            pid: AtomicU32::new(0),
+        });
+    }
+    let replicas = Arc::new(replicas);
+    replicas[0].cmd.migrate().await?;
 
     let bar = if opts.progress {
         let expected = s.preload.as_ref().map_or(0, |p| p.events)
@@ -247,17 +312,15 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
         produced = producer::preload(&db.url, p, &run_tag, Some(Arc::clone(&progress))).await?;
     }
 
-    // The relay, its /proc sampler and the progress ticker.
-    let slot = Arc::new(RelaySlot {
-        process: Mutex::new(None),
-        pid: AtomicU32::new(0),
-    });
+    // The relays, their /proc sampler and the progress ticker.
     let origin_us = now_us();
-    slot.start(&cmd).await?;
+    for r in replicas.iter() {
+        r.start().await?;
+    }
     let (stop_tx, stop_rx) = watch::channel(false);
     let usage = Arc::new(StdMutex::new(UsageTracker::default()));
     let sampler = {
-        let slot = Arc::clone(&slot);
+        let replicas = Arc::clone(&replicas);
         let usage = Arc::clone(&usage);
         let mut stop = stop_rx.clone();
         tokio::spawn(async move {
@@ -267,9 +330,11 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
                     _ = tick.tick() => {}
                     _ = stop.wait_for(|s| *s) => break,
                 }
-                let pid = slot.pid.load(Ordering::Relaxed);
-                if pid != 0 {
-                    usage.lock().expect("usage lock").sample(pid);
+                for r in replicas.iter() {
+                    let pid = r.pid.load(Ordering::Relaxed);
+                    if pid != 0 {
+                        usage.lock().expect("usage lock").sample(pid);
+                    }
                 }
             }
         })
@@ -279,8 +344,7 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
     let chaos = match (&s.kind, &s.chaos) {
         (ScenarioKind::Chaos, Some(spec)) => Some(tokio::spawn(chaos_loop(
             spec.clone(),
-            Arc::clone(&slot),
-            cmd.clone(),
+            Arc::clone(&replicas),
             db.url.clone(),
             chaos_rx,
         ))),
@@ -329,11 +393,18 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
         if pending == 0 {
             break;
         }
-        if let Some(p) = slot.process.lock().await.as_mut() {
-            if let Some(status) = p.exited() {
-                failures.push(format!("the relay exited on its own with {status}"));
-                break;
+        let mut exited = false;
+        for r in replicas.iter() {
+            if let Some(status) = r.exited().await {
+                failures.push(format!(
+                    "relay replica {} exited on its own with {status}",
+                    r.index
+                ));
+                exited = true;
             }
+        }
+        if exited {
+            break;
         }
         if Instant::now() >= deadline {
             failures.push(format!(
@@ -347,11 +418,24 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
 
     stop_tx.send_replace(true);
     let _ = sampler.await;
-    if let Some(p) = slot.take().await {
-        if let Err(e) = p.terminate(opts.relay_stop_timeout).await {
-            failures.push(e.to_string());
+    // One scrape of each replica's /metrics, then SIGTERM them all at once.
+    let replica_metrics = futures_util::future::join_all(replicas.iter().map(|r| async move {
+        let text = crate::metrics::scrape(r.metrics_port, Duration::from_secs(3)).await;
+        ReplicaMetrics::from_scrape(r.index, r.metrics_port, text.as_deref())
+    }))
+    .await;
+    let stops = futures_util::future::join_all(replicas.iter().map(|r| async move {
+        match r.take().await {
+            Some(p) => p
+                .terminate(opts.relay_stop_timeout)
+                .await
+                .err()
+                .map(|e| format!("relay replica {}: {e}", r.index)),
+            None => None,
         }
-    }
+    }))
+    .await;
+    failures.extend(stops.into_iter().flatten());
 
     let records = sink.records();
     let sink_stats = sink.stats();
@@ -376,6 +460,8 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
         verification,
     });
     report.chaos = chaos_stats;
+    report.replicas = s.replicas;
+    report.replica_metrics = replica_metrics;
     if !failures.is_empty() {
         report.failures.extend(failures);
         report.passed = false;
@@ -385,57 +471,135 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
     Ok(report)
 }
 
-/// Kills and restarts the relay, and cuts its backends, until `stop`.
-/// Leaves a relay running when it returns.
+/// Chaos's view of one replica.
+#[derive(Debug, Clone, Copy, Default)]
+struct ReplicaChaosState {
+    /// Killed; started again at this instant.
+    restart_at: Option<Instant>,
+    /// SIGSTOPped at `.0`; SIGCONT at `.1`.
+    paused: Option<(Instant, Instant)>,
+}
+
+fn draw(rng: &mut StdRng, (lo, hi): (Duration, Duration)) -> Duration {
+    Duration::from_millis(rng.random_range(lo.as_millis() as u64..=hi.as_millis() as u64))
+}
+
+/// Until `stop`: SIGKILLs a random replica and restarts it `restart_after`
+/// later, SIGSTOPs a random running replica and SIGCONTs it `pause_for` later,
+/// and cuts every relay backend. A paused replica is continued before it is
+/// killed. A replica that exits on its own is counted and restarted, as a
+/// process supervisor would. Returns with every replica running, none stopped.
 async fn chaos_loop(
     spec: ChaosSpec,
-    slot: Arc<RelaySlot>,
-    cmd: RelayCommand,
+    replicas: Arc<Vec<Replica>>,
     db_url: String,
     mut stop: watch::Receiver<bool>,
 ) -> Result<ChaosStats, RunError> {
     let mut rng = StdRng::seed_from_u64(spec.seed);
-    let mut stats = ChaosStats::default();
+    let mut stats = ChaosStats::new(replicas.len() as u32);
+    let mut state = vec![ReplicaChaosState::default(); replicas.len()];
     let admin = producer::connect(&db_url).await?;
-    let draw_kill = |rng: &mut StdRng| {
-        let lo = spec.kill_every_min.as_millis() as u64;
-        let hi = spec.kill_every_max.as_millis() as u64;
-        Instant::now() + Duration::from_millis(rng.random_range(lo..=hi))
-    };
-    let mut next_kill = draw_kill(&mut rng);
+    let mut next_kill = Instant::now() + draw(&mut rng, (spec.kill_every_min, spec.kill_every_max));
+    let mut next_pause = spec
+        .pause_every()
+        .map(|range| Instant::now() + draw(&mut rng, range));
     let mut next_cut = spec.terminate_backends_every.map(|d| Instant::now() + d);
-    loop {
-        let wake = next_cut.map_or(next_kill, |c| c.min(next_kill));
-        tokio::select! {
-            _ = tokio::time::sleep_until(wake.into()) => {}
-            _ = stop.wait_for(|s| *s) => break,
-        }
-        let now = Instant::now();
-        if now >= next_kill {
-            if let Some(p) = slot.take().await {
-                p.kill().await?;
-                stats.kills += 1;
-            }
+    let result = async {
+        loop {
+            let wake = [Some(next_kill), next_pause, next_cut]
+                .into_iter()
+                .chain(state.iter().map(|s| s.restart_at))
+                .chain(state.iter().map(|s| s.paused.map(|(_, until)| until)))
+                .flatten()
+                .min()
+                .expect("next_kill is always set");
             tokio::select! {
-                _ = tokio::time::sleep(spec.restart_after) => {}
-                _ = stop.wait_for(|s| *s) => {}
+                _ = tokio::time::sleep_until(wake.into()) => {}
+                _ = stop.wait_for(|s| *s) => break,
             }
-            slot.start(&cmd).await?;
-            next_kill = draw_kill(&mut rng);
+            let now = Instant::now();
+            for (i, r) in replicas.iter().enumerate() {
+                if let Some((since, until)) = state[i].paused {
+                    if now >= until {
+                        if let Some(p) = r.process.lock().await.as_ref() {
+                            p.resume();
+                        }
+                        state[i].paused = None;
+                        stats.record_pause(i, now - since);
+                    }
+                }
+                if state[i].restart_at.is_some_and(|at| now >= at) {
+                    r.start().await?;
+                    state[i].restart_at = None;
+                }
+                if let Some(status) = r.exited().await {
+                    tracing::warn!(replica = i, %status, "relay replica exited on its own; restarting it");
+                    stats.record_exit(i, status);
+                    r.take().await;
+                    r.start().await?;
+                }
+            }
+            if now >= next_kill {
+                let running: Vec<usize> = (0..replicas.len())
+                    .filter(|&i| state[i].restart_at.is_none())
+                    .collect();
+                if !running.is_empty() {
+                    let i = running[rng.random_range(0..running.len())];
+                    if let Some((since, _)) = state[i].paused.take() {
+                        stats.record_pause(i, now - since);
+                    }
+                    if let Some(p) = replicas[i].take().await {
+                        // kill() continues a paused process before SIGKILL.
+                        p.kill().await?;
+                        stats.record_kill(i);
+                    }
+                    state[i].restart_at = Some(Instant::now() + spec.restart_after);
+                }
+                next_kill = now + draw(&mut rng, (spec.kill_every_min, spec.kill_every_max));
+            }
+            if let (Some(at), Some(every)) = (next_pause, spec.pause_every()) {
+                if now >= at {
+                    let candidates: Vec<usize> = (0..replicas.len())
+                        .filter(|&i| state[i].restart_at.is_none() && state[i].paused.is_none())
+                        .collect();
+                    if !candidates.is_empty() {
+                        let i = candidates[rng.random_range(0..candidates.len())];
+                        if let Some(p) = replicas[i].process.lock().await.as_ref() {
+                            p.pause();
+                            state[i].paused =
+                                Some((now, now + draw(&mut rng, spec.pause_for_range())));
+                        }
+                    }
+                    next_pause = Some(now + draw(&mut rng, every));
+                }
+            }
+            if let (Some(cut), Some(every)) = (next_cut, spec.terminate_backends_every) {
+                if now >= cut {
+                    let n: i64 = admin
+                        .query_one(TERMINATE_RELAY_BACKENDS, &[&APPLICATION_NAME])
+                        .await?
+                        .get(0);
+                    stats.backends_terminated += n as u64;
+                    next_cut = Some(now + every);
+                }
+            }
         }
-        if let (Some(cut), Some(every)) = (next_cut, spec.terminate_backends_every) {
-            if now >= cut {
-                let n: i64 = admin
-                    .query_one(TERMINATE_RELAY_BACKENDS, &[&APPLICATION_NAME])
-                    .await?
-                    .get(0);
-                stats.backends_terminated += n as u64;
-                next_cut = Some(now + every);
+        Ok::<(), RunError>(())
+    }
+    .await;
+    // Whatever happened: continue every paused replica, start every killed one.
+    let now = Instant::now();
+    for (i, r) in replicas.iter().enumerate() {
+        if let Some((since, _)) = state[i].paused.take() {
+            if let Some(p) = r.process.lock().await.as_ref() {
+                p.resume();
             }
+            stats.record_pause(i, now - since);
+        }
+        if r.process.lock().await.is_none() {
+            r.start().await?;
         }
     }
-    if slot.process.lock().await.is_none() {
-        slot.start(&cmd).await?;
-    }
+    result?;
     Ok(stats)
 }

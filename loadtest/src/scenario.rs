@@ -17,18 +17,20 @@ pub enum ScenarioKind {
     Drain,
     /// A fixed rate for a duration with the relay running.
     Steady,
-    /// Steady load while the relay is killed and restarted, its backends
-    /// terminated, and the sink misbehaves.
+    /// Steady load while relay replicas are killed and restarted, paused and
+    /// continued, their backends terminated, and the sink misbehaves.
     Chaos,
     /// Steady load with a fraction of poison events.
     Poison,
 }
 
-/// Kill the relay and cut its database connections at random intervals.
+/// Kill and pause relay replicas and cut their database connections at
+/// random intervals.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ChaosSpec {
-    /// SIGKILL the relay after a uniform random wait in `[kill_every_min, kill_every_max]` ...
+    /// SIGKILL a random replica after a uniform random wait in
+    /// `[kill_every_min, kill_every_max]` ...
     #[serde(with = "humantime_serde")]
     pub kill_every_min: Duration,
     #[serde(with = "humantime_serde")]
@@ -36,6 +38,18 @@ pub struct ChaosSpec {
     /// ... and start it again this much later.
     #[serde(with = "humantime_serde")]
     pub restart_after: Duration,
+    /// SIGSTOP a random running, unpaused replica after a uniform random wait in
+    /// `[pause_every_min, pause_every_max]` (both set, or neither: no pauses) ...
+    #[serde(default, with = "humantime_serde")]
+    pub pause_every_min: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub pause_every_max: Option<Duration>,
+    /// ... and SIGCONT it after `pause_for`, or after a uniform random wait in
+    /// `[pause_for, pause_for_max]` when that is set.
+    #[serde(with = "humantime_serde")]
+    pub pause_for: Duration,
+    #[serde(default, with = "humantime_serde")]
+    pub pause_for_max: Option<Duration>,
     /// `pg_terminate_backend` every relay backend this often; never when absent.
     #[serde(default, with = "humantime_serde")]
     pub terminate_backends_every: Option<Duration>,
@@ -48,9 +62,49 @@ impl Default for ChaosSpec {
             kill_every_min: Duration::from_secs(3),
             kill_every_max: Duration::from_secs(8),
             restart_after: Duration::from_millis(500),
+            pause_every_min: None,
+            pause_every_max: None,
+            pause_for: Duration::from_secs(5),
+            pause_for_max: None,
             terminate_backends_every: Some(Duration::from_secs(5)),
             seed: 1,
         }
+    }
+}
+
+impl ChaosSpec {
+    /// `[pause_every_min, pause_every_max]` when pauses are on.
+    pub fn pause_every(&self) -> Option<(Duration, Duration)> {
+        self.pause_every_min.zip(self.pause_every_max)
+    }
+
+    /// `[pause_for, pause_for_max]` (a single value without `pause_for_max`).
+    pub fn pause_for_range(&self) -> (Duration, Duration) {
+        (self.pause_for, self.pause_for_max.unwrap_or(self.pause_for))
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        if self.kill_every_min > self.kill_every_max || self.kill_every_min.is_zero() {
+            return Err("chaos: need 0 < kill_every_min <= kill_every_max".into());
+        }
+        match (self.pause_every_min, self.pause_every_max) {
+            (None, None) => {}
+            (Some(lo), Some(hi)) if !lo.is_zero() && lo <= hi => {
+                let (lo, hi) = self.pause_for_range();
+                if lo.is_zero() || lo > hi {
+                    return Err("chaos: need 0 < pause_for <= pause_for_max".into());
+                }
+            }
+            (Some(_), Some(_)) => {
+                return Err("chaos: need 0 < pause_every_min <= pause_every_max".into())
+            }
+            _ => {
+                return Err(
+                    "chaos: set both pause_every_min and pause_every_max, or neither".into(),
+                )
+            }
+        }
+        Ok(())
     }
 }
 
@@ -93,6 +147,11 @@ pub struct Scenario {
     pub sink: SinkSpec,
     #[serde(default)]
     pub chaos: Option<ChaosSpec>,
+    /// Relay processes run side by side against the run's database, each with
+    /// its own config file (its own metrics port) and log. Chaos picks its
+    /// victims among them at random.
+    #[serde(default = "default_replicas")]
+    pub replicas: u32,
     /// Give up waiting for the outbox to empty after this long.
     #[serde(default = "default_drain_timeout", with = "humantime_serde")]
     pub drain_timeout: Duration,
@@ -101,9 +160,16 @@ pub struct Scenario {
     pub relay_config: toml::Table,
 }
 
+fn default_replicas() -> u32 {
+    1
+}
+
 fn default_drain_timeout() -> Duration {
     Duration::from_secs(300)
 }
+
+/// More relay processes than this on one machine measures the machine.
+pub const MAX_REPLICAS: u32 = 32;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ScenarioError {
@@ -181,11 +247,12 @@ impl Scenario {
                 .map_err(|m| invalid(format!("preload: {m}")))?;
         }
         if let Some(c) = &self.chaos {
-            if c.kill_every_min > c.kill_every_max || c.kill_every_min.is_zero() {
-                return Err(invalid(
-                    "chaos: need 0 < kill_every_min <= kill_every_max".into(),
-                ));
-            }
+            c.validate().map_err(invalid)?;
+        }
+        if !(1..=MAX_REPLICAS).contains(&self.replicas) {
+            return Err(invalid(format!(
+                "replicas: need 1 <= replicas <= {MAX_REPLICAS}"
+            )));
         }
         self.sink.faults.validate().map_err(invalid)?;
         Ok(())
@@ -205,6 +272,19 @@ pub fn relay_config_toml(
     scenario: &Scenario,
     sink_port: u16,
     metrics_port: u16,
+) -> Result<String, ScenarioError> {
+    replica_config_toml(scenario, sink_port, metrics_port, 0)
+}
+
+/// [`relay_config_toml`] for replica `replica` (0-based) of the run: every
+/// `{replica}` in a string value of the scenario's `relay_config` becomes the
+/// replica's number, so replicas can differ, e.g. in a log prefix or (once
+/// the engine has it) `relay.replica_id = "loadtest-{replica}"`.
+pub fn replica_config_toml(
+    scenario: &Scenario,
+    sink_port: u16,
+    metrics_port: u16,
+    replica: u32,
 ) -> Result<String, ScenarioError> {
     let err = |e: &dyn std::fmt::Display| ScenarioError::RelayConfig(e.to_string());
     let mut config = outbox_relay::Config::default();
@@ -226,7 +306,9 @@ pub fn relay_config_toml(
         route.insert("parallelism".into(), 1.into());
     }
     table.insert("routes".into(), toml::Value::Array(vec![route.into()]));
-    merge(table, &scenario.relay_config);
+    let mut overrides = scenario.relay_config.clone();
+    substitute_replica(&mut overrides, replica);
+    merge(table, &overrides);
     let text = toml::to_string_pretty(&value).map_err(|e| err(&e))?;
     // Check it the way the relay will, with the secrets it gets from the environment.
     let mut check: outbox_relay::Config = toml::from_str(&text).map_err(|e| err(&e))?;
@@ -235,6 +317,22 @@ pub fn relay_config_toml(
     check.qstash.token = "check".into();
     check.validate().map_err(|e| err(&e))?;
     Ok(text)
+}
+
+/// `{replica}` -> `replica` in every string, at any depth.
+fn substitute_replica(table: &mut toml::Table, replica: u32) {
+    fn walk(v: &mut toml::Value, replica: &str) {
+        match v {
+            toml::Value::String(s) if s.contains("{replica}") => {
+                *s = s.replace("{replica}", replica);
+            }
+            toml::Value::Array(a) => a.iter_mut().for_each(|v| walk(v, replica)),
+            toml::Value::Table(t) => t.iter_mut().for_each(|(_, v)| walk(v, replica)),
+            _ => {}
+        }
+    }
+    let replica = replica.to_string();
+    table.iter_mut().for_each(|(_, v)| walk(v, &replica));
 }
 
 /// Deep merge: tables merge key by key, anything else is replaced.
@@ -285,6 +383,81 @@ mode = "single"
         assert_eq!(c.qstash.mode, outbox_relay::config::PublishMode::Single);
         assert_eq!(c.server.metrics_bind.unwrap().port(), 4322);
         assert!(c.qstash.token.is_empty() && c.database.url.is_empty());
+    }
+
+    const CHAOS: &str = r#"
+name = "c"
+kind = "chaos"
+replicas = 3
+[load]
+rate = 100.0
+duration = "2s"
+[chaos]
+kill_every_min = "5s"
+kill_every_max = "15s"
+pause_every_min = "7s"
+pause_every_max = "15s"
+pause_for = "4s"
+pause_for_max = "6s"
+[relay_config.relay]
+claim_batch = 50
+[relay_config.qstash]
+current_signing_key = "sig-replica-{replica}"
+"#;
+
+    #[test]
+    fn replicas_and_pauses_parse_validate_and_default() {
+        let s = Scenario::from_toml_str(CHAOS).unwrap();
+        assert_eq!(s.replicas, 3);
+        let c = s.chaos.as_ref().unwrap();
+        assert_eq!(
+            c.pause_every(),
+            Some((Duration::from_secs(7), Duration::from_secs(15)))
+        );
+        assert_eq!(
+            c.pause_for_range(),
+            (Duration::from_secs(4), Duration::from_secs(6))
+        );
+        let one = Scenario::from_toml_str(ORDERED).unwrap();
+        assert_eq!(one.replicas, 1);
+        assert_eq!(ChaosSpec::default().pause_every(), None);
+
+        for (from, to, why) in [
+            ("replicas = 3", "replicas = 0", "replicas"),
+            ("pause_every_max = \"15s\"", "", "both"),
+            (
+                "pause_every_min = \"7s\"",
+                "pause_every_min = \"20s\"",
+                "pause_every_min",
+            ),
+            (
+                "pause_for_max = \"6s\"",
+                "pause_for_max = \"3s\"",
+                "pause_for",
+            ),
+            ("pause_for = \"4s\"", "pause_for = \"0s\"", "pause_for"),
+        ] {
+            let e = Scenario::from_toml_str(&CHAOS.replace(from, to)).unwrap_err();
+            assert!(e.to_string().contains(why), "{from} -> {to}: {e}");
+        }
+    }
+
+    #[test]
+    fn each_replica_gets_its_number_in_overrides() {
+        let s = Scenario::from_toml_str(CHAOS).unwrap();
+        for replica in [0, 2] {
+            let text = replica_config_toml(&s, 4321, 4330 + replica as u16, replica).unwrap();
+            let c: toml::Table = toml::from_str(&text).unwrap();
+            assert_eq!(
+                c["qstash"]["current_signing_key"].as_str(),
+                Some(format!("sig-replica-{replica}").as_str()),
+                "{text}"
+            );
+            assert_eq!(
+                c["server"]["metrics_bind"].as_str(),
+                Some(format!("127.0.0.1:{}", 4330 + replica).as_str())
+            );
+        }
     }
 
     #[test]

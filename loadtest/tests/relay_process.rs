@@ -139,3 +139,47 @@ fn the_default_relay_is_the_sibling_binary_when_current_else_the_embedded_engine
     assert!(locate_relay(&loadtest, src).is_embedded());
     assert_eq!(locate_relay(&loadtest, None), expected);
 }
+
+/// The state letter of `/proc/<pid>/stat` (`T` = stopped), polled until `want` holds.
+async fn wait_for_state(pid: u32, want: impl Fn(char) -> bool) -> char {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        let state = stat[stat.rfind(')').unwrap() + 1..]
+            .split_whitespace()
+            .next()
+            .and_then(|s| s.chars().next())
+            .unwrap();
+        if want(state) || std::time::Instant::now() >= deadline {
+            return state;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn pause_and_resume_and_a_paused_relay_still_stops_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let cmd = stand_in(&dir, false);
+    let relay = cmd.spawn().unwrap();
+    wait_until_up(&dir, 1).await;
+    let pid = relay.pid();
+
+    relay.pause();
+    assert_eq!(wait_for_state(pid, |s| s == 'T').await, 'T');
+    relay.resume();
+    assert_ne!(wait_for_state(pid, |s| s != 'T').await, 'T');
+
+    // SIGTERM alone would stay pending on a stopped process: terminate continues it first.
+    relay.pause();
+    assert_eq!(wait_for_state(pid, |s| s == 'T').await, 'T');
+    let status = relay.terminate(Duration::from_secs(10)).await.unwrap();
+    assert!(status.success(), "{status:?}");
+
+    let relay = cmd.spawn().unwrap();
+    wait_until_up(&dir, 2).await;
+    relay.pause();
+    assert_eq!(wait_for_state(relay.pid(), |s| s == 'T').await, 'T');
+    let status = relay.kill().await.unwrap();
+    assert_eq!(status.signal(), Some(9));
+}

@@ -14,6 +14,7 @@ fn every_shipped_scenario_loads_and_configures_the_relay() {
         ("drain.toml", ScenarioKind::Drain),
         ("steady.toml", ScenarioKind::Steady),
         ("chaos.toml", ScenarioKind::Chaos),
+        ("chaos-replicas.toml", ScenarioKind::Chaos),
         ("poison.toml", ScenarioKind::Poison),
     ] {
         let s = Scenario::load(&dir().join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
@@ -23,16 +24,30 @@ fn every_shipped_scenario_loads_and_configures_the_relay() {
         let parsed: outbox_relay::Config = toml::from_str(&text).unwrap();
         assert_eq!(parsed.routes.len(), 1, "{file}");
     }
-    let chaos = Scenario::load(&dir().join("chaos.toml")).unwrap();
+    for file in ["chaos.toml", "chaos-replicas.toml"] {
+        let chaos = Scenario::load(&dir().join(file)).unwrap();
+        let relay: outbox_relay::Config =
+            toml::from_str(&relay_config_toml(&chaos, 40000, 40001).unwrap()).unwrap();
+        assert!(
+            chaos.sink.faults.hang_for > relay.http.request_timeout,
+            "{file}: hangs outlive the relay's request timeout"
+        );
+        assert!(
+            relay.relay.lease > relay.http.request_timeout,
+            "{file}: a lease outlives a request"
+        );
+        assert!(chaos.ordered(), "{file}");
+    }
+    let s = Scenario::load(&dir().join("chaos-replicas.toml")).unwrap();
+    assert_eq!(s.replicas, 3);
+    let chaos = s.chaos.as_ref().unwrap();
+    let (every_min, _) = chaos.pause_every().expect("pauses are on");
+    let (_, pause_max) = chaos.pause_for_range();
+    assert!(pause_max < every_min, "one pause at a time, mostly");
     let relay: outbox_relay::Config =
-        toml::from_str(&relay_config_toml(&chaos, 40000, 40001).unwrap()).unwrap();
+        toml::from_str(&relay_config_toml(&s, 40000, 40001).unwrap()).unwrap();
     assert!(
-        chaos.sink.faults.hang_for > relay.http.request_timeout,
-        "hangs outlive the relay's request timeout"
+        pause_max < relay.relay.lease,
+        "a pause alone does not outlive the row lease"
     );
-    assert!(
-        relay.relay.lease > relay.http.request_timeout,
-        "a lease outlives a request"
-    );
-    assert!(chaos.ordered());
 }

@@ -80,8 +80,10 @@ max_attempts = 1000
 shutdown_grace = "5s"
 "#;
 
-/// Three replicas, ordered. A killed replica's rows wait for the lease (10 s)
-/// before another claims them; a pause (2-4 s) stays shorter than the lease.
+/// Three replicas, ordered, sharing eight shards through 2 s shard leases. A
+/// killed replica's shards move to the others after that lease, its rows after
+/// the row lease (10 s); a pause (2-4 s) often outlasts the shard lease, so the
+/// paused replica's shards move and its late marks are fenced.
 /// Uniform keys, so ordering (one event of a key in flight) does not throttle
 /// a hot key while replicas come and go. 200 events/s: three debug-build
 /// relays under this chaos delivered 100-170 ordered events/s on the shared
@@ -132,6 +134,7 @@ request_timeout = "2s"
 
 [relay_config.relay]
 lease = "10s"
+shard_lease = "2s"
 shards = 8
 publishers = 2
 claim_batch = 100
@@ -299,6 +302,18 @@ async fn three_replicas_killed_and_paused_lose_nothing_and_keep_key_order() {
         .filter_map(|m| m.events_published)
         .sum();
     assert!(published > 0.0, "{context}");
+    // At the end the shards are split among the three: all eight held, each
+    // replica its fair share (2 or 3).
+    let owned: Vec<f64> = report
+        .replica_metrics
+        .iter()
+        .map(|m| m.shards_owned.unwrap_or(-1.0))
+        .collect();
+    assert_eq!(owned.iter().sum::<f64>(), 8.0, "{owned:?}\n{context}");
+    assert!(
+        owned.iter().all(|n| (2.0..=3.0).contains(n)),
+        "{owned:?}\n{context}"
+    );
 
     // The chaos really happened: kills and pauses, spread over replicas.
     let chaos = report.chaos.clone().expect("chaos stats");

@@ -151,6 +151,40 @@ pub struct DbStats {
     pub max_attempts: i32,
 }
 
+/// The outbox's dead tuples over the run (`pg_stat_user_tables`, sampled
+/// every second from the relay's start), and how long autovacuum took to
+/// reclaim them once the outbox was empty.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct VacuumReport {
+    /// A transaction held a snapshot (and an xid) from before the relay
+    /// started until the outbox was empty.
+    pub held_snapshot: bool,
+    pub dead_tuples_below: i64,
+    /// Seconds from the relay's start to the moment the outbox was empty.
+    pub drain_end_secs: f64,
+    /// `n_dead_tup` at the drain's end.
+    pub dead_tuples_at_drain_end: i64,
+    /// The most `n_dead_tup` seen.
+    pub peak_dead_tuples: i64,
+    /// Seconds after the drain's end until `n_dead_tup` fell under the
+    /// threshold; `None` when it did not within the watch.
+    pub secs_until_below: Option<f64>,
+    /// Autovacuum runs on the outbox during the drain, and during the watch.
+    pub autovacuums_during_drain: i64,
+    pub autovacuums_after_drain: i64,
+    pub samples: Vec<DeadTuplePoint>,
+}
+
+/// One sample of the outbox's table statistics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct DeadTuplePoint {
+    /// Seconds since the relay's start.
+    pub secs: f64,
+    pub n_dead_tup: i64,
+    pub n_live_tup: i64,
+    pub autovacuum_count: i64,
+}
+
 /// Everything one run measured.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Report {
@@ -175,6 +209,8 @@ pub struct Report {
     /// Each replica's `/metrics`, scraped once before it was stopped.
     #[serde(default)]
     pub replica_metrics: Vec<ReplicaMetrics>,
+    #[serde(default)]
+    pub vacuum: Option<VacuumReport>,
     pub passed: bool,
     pub failures: Vec<String>,
     pub verification: Verification,
@@ -281,6 +317,7 @@ impl Report {
             chaos: None,
             replicas: 1,
             replica_metrics: Vec::new(),
+            vacuum: None,
             passed: failures.is_empty(),
             failures,
             verification: input.verification,
@@ -413,6 +450,40 @@ impl Report {
                 .map(|m| shown(m, m.events_published))
                 .collect();
             rows.push(("published (last process)", each.join(", ")));
+        }
+        if let Some(vac) = &self.vacuum {
+            rows.push((
+                "held snapshot",
+                if vac.held_snapshot {
+                    "yes (REPEATABLE READ + xid, whole drain)".into()
+                } else {
+                    "no".into()
+                },
+            ));
+            rows.push(("drain ended at", format!("{:.1} s", vac.drain_end_secs)));
+            rows.push((
+                "dead tuples",
+                format!(
+                    "{} at drain end, peak {}",
+                    vac.dead_tuples_at_drain_end, vac.peak_dead_tuples
+                ),
+            ));
+            rows.push((
+                "autovacuums",
+                format!(
+                    "{} during the drain, {} after",
+                    vac.autovacuums_during_drain, vac.autovacuums_after_drain
+                ),
+            ));
+            rows.push((
+                "dead tuples reclaimed",
+                match vac.secs_until_below {
+                    Some(s) => {
+                        format!("under {} {:.1} s after the drain", vac.dead_tuples_below, s)
+                    }
+                    None => format!("NOT under {} within the watch", vac.dead_tuples_below),
+                },
+            ));
         }
         let width = rows
             .iter()

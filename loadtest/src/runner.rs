@@ -13,8 +13,12 @@
 //!    restarts random replicas, pauses (SIGSTOP) and continues them, and runs
 //!    `pg_terminate_backend`, while they run;
 //! 7. wait until the outbox has no pending row (bounded by `drain_timeout`);
+//!    with `hold_snapshot`, a transaction holding vacuum back stays open from
+//!    before the relays start until then;
 //! 8. scrape each replica's `/metrics` once, SIGTERM every replica (each must
-//!    exit 0), verify, report (table, JSON, SVG).
+//!    exit 0); with `[vacuum_watch]`, watch the outbox's dead tuples until
+//!    autovacuum reclaims them;
+//! 9. verify, report (table, JSON, SVG).
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -30,8 +34,8 @@ use crate::metrics::ReplicaMetrics;
 use crate::procstat::UsageTracker;
 use crate::producer::{self, ProduceProgress, ProduceStats, APPLICATION_NAME};
 use crate::relay::{RelayCommand, RelayError, RelayProcess, RelayProgram};
-use crate::report::{ChaosStats, Report, ReportInput};
-use crate::scenario::{replica_config_toml, ChaosSpec, Scenario, ScenarioKind};
+use crate::report::{ChaosStats, DeadTuplePoint, Report, ReportInput, VacuumReport};
+use crate::scenario::{replica_config_toml, ChaosSpec, Scenario, ScenarioKind, VacuumWatchSpec};
 use crate::sink::{Sink, SinkConfig};
 use crate::verify::{verify, VerifyOptions};
 
@@ -181,6 +185,73 @@ const PENDING: &str =
     "SELECT count(*) FROM outbox WHERE published_at IS NULL AND dead_lettered_at IS NULL";
 const DEAD_TUPLES: &str =
     "SELECT coalesce(max(n_dead_tup), 0) FROM pg_stat_user_tables WHERE relname = 'outbox'";
+const TABLE_STATS: &str = "SELECT coalesce(max(n_dead_tup), 0), coalesce(max(n_live_tup), 0),
+       coalesce(max(autovacuum_count), 0)
+FROM pg_stat_user_tables WHERE relname = 'outbox'";
+/// A snapshot and an xid: vacuum keeps every row version deleted after it.
+const HOLD_SNAPSHOT: &str = "BEGIN ISOLATION LEVEL REPEATABLE READ;
+SELECT txid_current();
+SELECT count(*) FROM outbox_relay_settings;";
+
+async fn table_stats(
+    client: &tokio_postgres::Client,
+    origin_us: i64,
+) -> Result<DeadTuplePoint, RunError> {
+    let row = client.query_one(TABLE_STATS, &[]).await?;
+    Ok(DeadTuplePoint {
+        secs: (now_us() - origin_us).max(0) as f64 / 1e6,
+        n_dead_tup: row.get(0),
+        n_live_tup: row.get(1),
+        autovacuum_count: row.get(2),
+    })
+}
+
+/// Samples the outbox's table statistics every second until `stop`.
+fn sample_table_stats(
+    client: tokio_postgres::Client,
+    origin_us: i64,
+    samples: Arc<StdMutex<Vec<DeadTuplePoint>>>,
+    mut stop: watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<tokio_postgres::Client> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.wait_for(|s| *s) => break,
+            }
+            match table_stats(&client, origin_us).await {
+                Ok(p) => samples.lock().expect("samples lock").push(p),
+                Err(e) => tracing::warn!(error = %e, "table statistics"),
+            }
+        }
+        client
+    })
+}
+
+/// After the drain: until `n_dead_tup` is under the threshold or the watch
+/// ends. Returns the seconds after `drain_end` it took.
+async fn watch_dead_tuples(
+    client: &tokio_postgres::Client,
+    spec: &VacuumWatchSpec,
+    origin_us: i64,
+    drain_end: Instant,
+    samples: &StdMutex<Vec<DeadTuplePoint>>,
+) -> Result<Option<f64>, RunError> {
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tick.tick().await;
+        let p = table_stats(client, origin_us).await?;
+        samples.lock().expect("samples lock").push(p);
+        if p.n_dead_tup < spec.dead_tuples_below {
+            return Ok(Some(drain_end.elapsed().as_secs_f64()));
+        }
+        if drain_end.elapsed() >= spec.duration {
+            return Ok(None);
+        }
+    }
+}
+
 /// Every client backend of this database but the harness's own.
 const TERMINATE_RELAY_BACKENDS: &str = "SELECT count(pg_terminate_backend(pid))
 FROM pg_stat_activity
@@ -312,12 +383,38 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
         produced = producer::preload(&db.url, p, &run_tag, Some(Arc::clone(&progress))).await?;
     }
 
+    // Opened before the relays start: nothing they write can be vacuumed away
+    // until this commits (at the drain's end).
+    let held = if s.hold_snapshot {
+        let client = producer::connect(&db.url).await?;
+        client.batch_execute(HOLD_SNAPSHOT).await?;
+        Some(client)
+    } else {
+        None
+    };
+    let watch_vacuum = s.hold_snapshot || s.vacuum_watch.is_some();
+
     // The relays, their /proc sampler and the progress ticker.
     let origin_us = now_us();
     for r in replicas.iter() {
         r.start().await?;
     }
     let (stop_tx, stop_rx) = watch::channel(false);
+    let table_samples = Arc::new(StdMutex::new(Vec::new()));
+    let (stats_stop_tx, stats_stop_rx) = watch::channel(false);
+    let stats_sampler = if watch_vacuum {
+        let client = producer::connect(&db.url).await?;
+        let first = table_stats(&client, origin_us).await?;
+        table_samples.lock().expect("samples lock").push(first);
+        Some(sample_table_stats(
+            client,
+            origin_us,
+            Arc::clone(&table_samples),
+            stats_stop_rx,
+        ))
+    } else {
+        None
+    };
     let usage = Arc::new(StdMutex::new(UsageTracker::default()));
     let sampler = {
         let replicas = Arc::clone(&replicas);
@@ -415,6 +512,11 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
         }
     }
     bar.finish_and_clear();
+    let drain_end = Instant::now();
+    let drain_end_secs = (now_us() - origin_us).max(0) as f64 / 1e6;
+    if let Some(held) = held {
+        held.batch_execute("COMMIT").await?;
+    }
 
     stop_tx.send_replace(true);
     let _ = sampler.await;
@@ -436,6 +538,48 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
     }))
     .await;
     failures.extend(stops.into_iter().flatten());
+
+    let vacuum = match stats_sampler {
+        Some(task) => {
+            stats_stop_tx.send_replace(true);
+            let client = task.await.map_err(|e| setup("table statistics task")(&e))?;
+            let at_end = table_stats(&client, origin_us).await?;
+            let spec = s.vacuum_watch.clone().unwrap_or_default();
+            let secs_until_below = match &s.vacuum_watch {
+                Some(spec) => {
+                    watch_dead_tuples(&client, spec, origin_us, drain_end, &table_samples).await?
+                }
+                None => None,
+            };
+            let samples = std::mem::take(&mut *table_samples.lock().expect("samples lock"));
+            let count_at = |secs: f64| {
+                samples
+                    .iter()
+                    .filter(|p| p.secs <= secs)
+                    .map(|p| p.autovacuum_count)
+                    .max()
+            };
+            let first = samples.first().map_or(0, |p| p.autovacuum_count);
+            let at_drain_end = count_at(drain_end_secs).unwrap_or(first);
+            let last = samples
+                .iter()
+                .map(|p| p.autovacuum_count)
+                .max()
+                .unwrap_or(0);
+            Some(VacuumReport {
+                held_snapshot: s.hold_snapshot,
+                dead_tuples_below: spec.dead_tuples_below,
+                drain_end_secs,
+                dead_tuples_at_drain_end: at_end.n_dead_tup,
+                peak_dead_tuples: samples.iter().map(|p| p.n_dead_tup).max().unwrap_or(0),
+                secs_until_below,
+                autovacuums_during_drain: at_drain_end - first,
+                autovacuums_after_drain: last - at_drain_end,
+                samples,
+            })
+        }
+        None => None,
+    };
 
     let records = sink.records();
     let sink_stats = sink.stats();
@@ -462,6 +606,7 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
     report.chaos = chaos_stats;
     report.replicas = s.replicas;
     report.replica_metrics = replica_metrics;
+    report.vacuum = vacuum;
     if !failures.is_empty() {
         report.failures.extend(failures);
         report.passed = false;

@@ -126,6 +126,25 @@ impl Default for SinkSpec {
     }
 }
 
+/// After the outbox is empty: watch its dead tuples until autovacuum has
+/// reclaimed them (below `dead_tuples_below`) or `duration` passes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct VacuumWatchSpec {
+    #[serde(with = "humantime_serde")]
+    pub duration: Duration,
+    pub dead_tuples_below: i64,
+}
+
+impl Default for VacuumWatchSpec {
+    fn default() -> Self {
+        VacuumWatchSpec {
+            duration: Duration::from_secs(120),
+            dead_tuples_below: 10_000,
+        }
+    }
+}
+
 /// One scenario file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -152,6 +171,15 @@ pub struct Scenario {
     /// victims among them at random.
     #[serde(default = "default_replicas")]
     pub replicas: u32,
+    /// Hold vacuum back for the whole run: a REPEATABLE READ transaction with
+    /// an xid, opened in the run's database before the relay starts and
+    /// committed once the outbox is empty (a long report query, a forgotten
+    /// `BEGIN` in psql, a replica with hot_standby_feedback).
+    #[serde(default)]
+    pub hold_snapshot: bool,
+    /// Watch the outbox's dead tuples after the drain (`[vacuum_watch]`).
+    #[serde(default)]
+    pub vacuum_watch: Option<VacuumWatchSpec>,
     /// Give up waiting for the outbox to empty after this long.
     #[serde(default = "default_drain_timeout", with = "humantime_serde")]
     pub drain_timeout: Duration,
@@ -245,6 +273,13 @@ impl Scenario {
             p.mix
                 .validate()
                 .map_err(|m| invalid(format!("preload: {m}")))?;
+        }
+        if let Some(w) = &self.vacuum_watch {
+            if w.duration.is_zero() || w.dead_tuples_below <= 0 {
+                return Err(invalid(
+                    "vacuum_watch: need duration > 0 and dead_tuples_below > 0".into(),
+                ));
+            }
         }
         if let Some(c) = &self.chaos {
             c.validate().map_err(invalid)?;

@@ -16,6 +16,11 @@ fn every_shipped_scenario_loads_and_configures_the_relay() {
         ("chaos.toml", ScenarioKind::Chaos),
         ("chaos-replicas.toml", ScenarioKind::Chaos),
         ("poison.toml", ScenarioKind::Poison),
+        ("steady-5k.toml", ScenarioKind::Steady),
+        ("drain-1m.toml", ScenarioKind::Drain),
+        ("drain-ordered.toml", ScenarioKind::Drain),
+        ("bloat.toml", ScenarioKind::Drain),
+        ("bloat-held.toml", ScenarioKind::Drain),
     ] {
         let s = Scenario::load(&dir().join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
         assert_eq!(s.kind, kind, "{file}");
@@ -50,4 +55,16 @@ fn every_shipped_scenario_loads_and_configures_the_relay() {
         pause_max < relay.relay.lease,
         "a pause alone does not outlive the row lease"
     );
+    let ordered = Scenario::load(&dir().join("drain-ordered.toml")).unwrap();
+    let unordered = Scenario::load(&dir().join("drain-1m.toml")).unwrap();
+    assert!(ordered.ordered() && !unordered.ordered());
+    assert_eq!(
+        ordered.preload, unordered.preload,
+        "twins: the same backlog"
+    );
+    let held = Scenario::load(&dir().join("bloat-held.toml")).unwrap();
+    let free = Scenario::load(&dir().join("bloat.toml")).unwrap();
+    assert!(held.hold_snapshot && !free.hold_snapshot);
+    assert_eq!(held.vacuum_watch, free.vacuum_watch);
+    assert!(free.vacuum_watch.is_some());
 }

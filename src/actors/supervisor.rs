@@ -332,14 +332,24 @@ async fn shutdown(state: &mut SupervisorState) -> ShutdownReport {
     //    were never delivered, so another relay takes them at once.
     let mut released = 0;
     if let Some(marker) = shared.directory.marker() {
-        let _ = marker.call(MarkerMsg::FlushNow, Some(FLUSH_TIMEOUT)).await;
+        if !matches!(
+            marker.call(MarkerMsg::FlushNow, Some(FLUSH_TIMEOUT)).await,
+            Ok(ractor::rpc::CallResult::Success(()))
+        ) {
+            tracing::warn!("shutdown: the marker did not confirm its last flush; unmarked rows will be claimed again when their leases expire");
+        }
         let rest = shared.in_flight.snapshot();
         if !rest.is_empty() {
-            if let Ok(ractor::rpc::CallResult::Success(n)) = marker
+            let rows = rest.len();
+            match marker
                 .call(|reply| MarkerMsg::Release(rest, reply), Some(FLUSH_TIMEOUT))
                 .await
             {
-                released = n;
+                Ok(ractor::rpc::CallResult::Success(n)) => released = n,
+                _ => tracing::warn!(
+                    rows,
+                    "shutdown: could not release the leases of undelivered rows; they are claimed again when the leases expire"
+                ),
             }
         }
     }

@@ -163,10 +163,12 @@ impl Actor for Coordinator {
                 myself.send_after(next, || CoordinatorMsg::Tick);
             }
             CoordinatorMsg::HandedOver { shard, token } => {
-                if state.handing_over.remove(&shard).is_none() {
-                    // Lost meanwhile: nothing of ours to give back.
+                if state.handing_over.get(&shard) != Some(&token) {
+                    // Lost meanwhile (and maybe taken again under a new
+                    // token): nothing of this tenure to give back.
                     return Ok(());
                 }
+                state.handing_over.remove(&shard);
                 match give_back(state, &[token]).await {
                     Ok(()) => {
                         counter!(m::SHARD_HANDOVERS, "kind" => "released").increment(1);
@@ -327,7 +329,7 @@ pub fn fair_share(shards: usize, live: &[String], me: &str) -> usize {
 
 /// The lease ended or was taken: stop claiming there at once.
 fn lost(state: &mut CoordinatorState, shard: i16, token: i64) {
-    state.shared.ownership.remove(shard);
+    state.shared.ownership.remove_if(shard, token);
     // A handover in progress finds it gone and gives nothing back.
     state.handing_over.remove(&shard);
     counter!(m::SHARD_HANDOVERS, "kind" => "lost").increment(1);
@@ -336,9 +338,11 @@ fn lost(state: &mut CoordinatorState, shard: i16, token: i64) {
         token,
         "shard lease lost (not renewed in time, or taken by another replica); its claimer stops"
     );
-    let _ = state
-        .supervisor
-        .cast(SupervisorMsg::StopClaimer(shard as u32, None));
+    let _ = state.supervisor.cast(SupervisorMsg::StopClaimer {
+        shard: shard as u32,
+        token,
+        reply: None,
+    });
 }
 
 /// Stops the shard's claimer, gives its rows in flight a moment, releases the
@@ -357,7 +361,11 @@ fn hand_over(myself: &ActorRef<CoordinatorMsg>, state: &mut CoordinatorState, sh
     tokio::spawn(async move {
         let _ = supervisor
             .call(
-                |reply| SupervisorMsg::StopClaimer(shard as u32, Some(reply)),
+                |reply| SupervisorMsg::StopClaimer {
+                    shard: shard as u32,
+                    token,
+                    reply: Some(reply),
+                },
                 Some(Duration::from_secs(5)),
             )
             .await;
@@ -366,8 +374,9 @@ fn hand_over(myself: &ActorRef<CoordinatorMsg>, state: &mut CoordinatorState, sh
         while !shared.in_flight.of_shard(shard).is_empty() && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        // From here no publisher starts a row of this shard.
-        shared.ownership.remove(shard);
+        // From here no publisher starts a row of this tenure. (If the shard
+        // was lost meanwhile and taken again, the new tenure stays.)
+        shared.ownership.remove_if(shard, token);
         if let Some(marker) = shared.directory.marker() {
             let _ = marker
                 .call(MarkerMsg::FlushNow, Some(super::marker::FLUSH_TIMEOUT))

@@ -246,6 +246,14 @@ impl Ownership {
         self.shards.lock().expect("ownership lock").remove(&shard)
     }
 
+    /// Removes the shard's tenure if it is still the one under `token`.
+    pub fn remove_if(&self, shard: i16, token: i64) {
+        let mut shards = self.shards.lock().expect("ownership lock");
+        if shards.get(&shard).is_some_and(|t| t.token == token) {
+            shards.remove(&shard);
+        }
+    }
+
     pub fn get(&self, shard: i16) -> Option<Tenure> {
         self.shards
             .lock()
@@ -398,4 +406,51 @@ impl Directory {
 pub(crate) fn reconnect_delay(failures: u32) -> Duration {
     let ms = 50u64.saturating_mul(1 << failures.min(7));
     Duration::from_millis(ms.min(5_000))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Ownership, Tenure};
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_tenure_is_held_under_its_token_until_it_ends() {
+        let ownership = Ownership::default();
+        let later = Instant::now() + Duration::from_secs(60);
+        ownership.set(
+            3,
+            Tenure {
+                token: 7,
+                until: later,
+            },
+        );
+        assert!(ownership.holds(3, 7));
+        assert!(!ownership.holds(3, 6), "an older token");
+        assert!(!ownership.holds(4, 7), "another shard");
+        ownership.set(
+            3,
+            Tenure {
+                token: 7,
+                until: Instant::now() - Duration::from_millis(1),
+            },
+        );
+        assert!(!ownership.holds(3, 7), "the lease ended");
+    }
+
+    #[test]
+    fn removing_an_old_tenure_leaves_a_newer_one() {
+        let ownership = Ownership::default();
+        let later = Instant::now() + Duration::from_secs(60);
+        ownership.set(
+            3,
+            Tenure {
+                token: 9,
+                until: later,
+            },
+        );
+        ownership.remove_if(3, 7);
+        assert!(ownership.holds(3, 9));
+        ownership.remove_if(3, 9);
+        assert!(ownership.is_empty());
+    }
 }

@@ -48,9 +48,14 @@ pub enum SupervisorMsg {
         shard: u32,
         token: i64,
     },
-    /// The shard is being handed over or was lost: stop its claimer (and
-    /// reply once it has stopped, when asked to).
-    StopClaimer(u32, Option<RpcReplyPort<()>>),
+    /// The shard's tenure under `token` is being handed over or was lost:
+    /// stop its claimer (and reply once it has stopped, when asked to). A
+    /// claimer of a newer tenure of the same shard is left running.
+    StopClaimer {
+        shard: u32,
+        token: i64,
+        reply: Option<RpcReplyPort<()>>,
+    },
     Shutdown(RpcReplyPort<ShutdownReport>),
     /// How many times each kind of child was restarted.
     Restarts(RpcReplyPort<HashMap<&'static str, u64>>),
@@ -153,9 +158,15 @@ impl Actor for Supervisor {
                     });
                 }
             }
-            SupervisorMsg::StopClaimer(shard, reply) => {
-                state.claim_tokens.remove(&shard);
-                stop_claimer(state, shard).await;
+            SupervisorMsg::StopClaimer {
+                shard,
+                token,
+                reply,
+            } => {
+                if state.claim_tokens.get(&shard) == Some(&token) {
+                    state.claim_tokens.remove(&shard);
+                    stop_claimer(state, shard).await;
+                }
                 if let Some(reply) = reply {
                     let _ = reply.send(());
                 }

@@ -9,6 +9,24 @@ use crate::relay::Relay;
 use crate::server::callback::failure_callback_router;
 use crate::server::ops::{self, OpsState, Readiness};
 
+/// Starts the relay; a database that cannot be reached (or drops the
+/// connection) at start gets three more tries, 0.5, 1 and 2 s apart, before the
+/// daemon gives up. Configuration and schema problems stop it at once.
+async fn start(config: &Config) -> Result<Relay, crate::relay::RelayError> {
+    let mut delay = std::time::Duration::from_millis(500);
+    for _ in 0..3 {
+        match Relay::start(config.clone()).await {
+            Err(e) if e.is_transient() => {
+                tracing::warn!(error = %e, retry_in = ?delay, "cannot reach the database (database.url) at start; retrying");
+                tokio::time::sleep(delay).await;
+                delay *= 2;
+            }
+            other => return other,
+        }
+    }
+    Relay::start(config.clone()).await
+}
+
 /// Runs until SIGTERM or SIGINT (exit 0), or until the actor tree gives up.
 pub async fn run_until_signal(config: Config) -> anyhow::Result<()> {
     let metrics = match crate::metrics::install() {
@@ -19,7 +37,7 @@ pub async fn run_until_signal(config: Config) -> anyhow::Result<()> {
         }
     };
     tracing::info!(config = %serde_json::to_string(&config.redacted())?, "outbox-relay starting");
-    let mut relay = Relay::start(config.clone()).await?;
+    let mut relay = start(&config).await?;
     let readiness = Arc::new(Mutex::new(Readiness::default()));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let sampler = tokio::spawn(ops::sample_forever(

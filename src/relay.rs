@@ -30,6 +30,19 @@ pub enum RelayError {
     Spawn(#[from] ractor::SpawnErr),
 }
 
+impl RelayError {
+    /// The database could not be reached or dropped the connection (as
+    /// opposed to a configuration or schema problem, or an error the server
+    /// reported): worth trying again.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            RelayError::Db(db::DbError::PoolTimeout) => true,
+            RelayError::Db(db::DbError::Postgres(e)) => e.as_db_error().is_none(),
+            _ => false,
+        }
+    }
+}
+
 /// A running relay.
 pub struct Relay {
     supervisor: ActorRef<SupervisorMsg>,
@@ -256,5 +269,19 @@ async fn check_schema(pool: &db::Pool, shards: u32) -> Result<(), RelayError> {
             }
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RelayError;
+    use crate::db::DbError;
+
+    #[test]
+    fn only_an_unreachable_database_is_worth_another_try() {
+        assert!(RelayError::Db(DbError::PoolTimeout).is_transient());
+        assert!(!RelayError::Config("relay.shards: …".into()).is_transient());
+        assert!(!RelayError::Schema("no outbox schema".into()).is_transient());
+        assert!(!RelayError::Db(DbError::BadUrl("x".into())).is_transient());
     }
 }

@@ -518,6 +518,10 @@ async fn claims_and_marks_under_a_superseded_token_change_no_row() {
     let mark = client.prepare_typed(MARK_SQL, MARK_TYPES).await.unwrap();
     let (after, after_id) = no_cursor();
     let lease_ms = 60_000i64;
+    client
+        .batch_execute("SET synchronous_commit = on")
+        .await
+        .unwrap();
     let old = seize_shard(&client, shard, "old", Duration::from_secs(60))
         .await
         .unwrap();
@@ -529,6 +533,14 @@ async fn claims_and_marks_under_a_superseded_token_change_no_row() {
         .await
         .unwrap();
     assert_eq!(claimed.len(), 10);
+    // The claim committed without waiting for its WAL flush, and left the
+    // session's setting alone (it is set for the claim's transaction only).
+    let setting: String = client
+        .query_one("SHOW synchronous_commit", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(setting, "on");
     let ids: Vec<i64> = claimed.iter().map(|r| r.get(0)).collect();
     let attempts: Vec<i32> = claimed.iter().map(|r| r.get(10)).collect();
 

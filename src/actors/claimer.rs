@@ -29,11 +29,22 @@ use crate::sink::DeadReason;
 /// shard claims nothing: the database checks, in the statement itself (the
 /// `fence` InitPlan runs first, so a fenced claim scans nothing). Literals only:
 /// the SQL stays constant.
+///
+/// The claim commits without waiting for its WAL flush (`synchronous_commit`
+/// off for this transaction only, set by the fence). A lease is a hint: if the
+/// server crashes before the flush, the rows come back unleased with their old
+/// `attempt_count`, the marks of their delivery are refused by the attempt
+/// fence, and they are delivered again under the same deduplication id. Never
+/// lost, and per-key order of first deliveries holds (the next row of a key is
+/// claimable only once the previous one is marked, and a mark waits for its
+/// own flush, which covers every earlier commit). Measured at 5,000 events/s:
+/// p50 5.70 → 4.40 ms, p99 23.2 → 9.3 ms (loadtest/reports/steady-5k).
 macro_rules! claim_statement {
     ($token:literal, $claimable:literal) => {
         concat!(
             "WITH RECURSIVE fence AS (
-    SELECT 1 FROM outbox_relay_shard_leases
+    SELECT set_config('synchronous_commit', 'off', true)
+    FROM outbox_relay_shard_leases
     WHERE shard = $3 AND token = ",
             $token,
             " AND lease_until > now()

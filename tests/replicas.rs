@@ -502,6 +502,52 @@ async fn a_replica_joining_mid_drain_takes_shards_without_a_pause_in_delivery() 
     }
 }
 
+/// The relay's claim and mark statements, run by hand on one shard.
+struct ByHand {
+    client: tokio_postgres::Client,
+    claim: tokio_postgres::Statement,
+    mark: tokio_postgres::Statement,
+    shard: i16,
+}
+
+impl ByHand {
+    /// Up to 10 rows under `token`; `(id, attempt)` each.
+    async fn claim(&self, token: i64) -> Vec<(i64, i32)> {
+        let (after, after_id) = no_cursor();
+        self.client
+            .query(
+                &self.claim,
+                &[&10i64, &60_000i64, &self.shard, &after, &after_id, &token],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get(0), r.get(10)))
+            .collect()
+    }
+
+    /// Marks `rows` published under `token`; how many the database took.
+    async fn publish(&self, rows: &[(i64, i32)], token: i64) -> usize {
+        let n = rows.len();
+        let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
+        let attempts: Vec<i32> = rows.iter().map(|r| r.1).collect();
+        let (kinds, delays, errors, tokens) = (
+            vec![1i16; n],
+            vec![0i64; n],
+            vec![None::<&str>; n],
+            vec![token; n],
+        );
+        self.client
+            .query(
+                &self.mark,
+                &[&ids, &attempts, &kinds, &delays, &errors, &tokens],
+            )
+            .await
+            .unwrap()
+            .len()
+    }
+}
+
 /// The fencing itself: a claim or mark under a token that is no longer the
 /// shard's changes no row.
 #[tokio::test]
@@ -514,10 +560,6 @@ async fn claims_and_marks_under_a_superseded_token_change_no_row() {
         .await
         .unwrap()
         .get(0);
-    let claim = client.prepare_typed(CLAIM_SQL, CLAIM_TYPES).await.unwrap();
-    let mark = client.prepare_typed(MARK_SQL, MARK_TYPES).await.unwrap();
-    let (after, after_id) = no_cursor();
-    let lease_ms = 60_000i64;
     client
         .batch_execute("SET synchronous_commit = on")
         .await
@@ -525,45 +567,34 @@ async fn claims_and_marks_under_a_superseded_token_change_no_row() {
     let old = seize_shard(&client, shard, "old", Duration::from_secs(60))
         .await
         .unwrap();
-    let claimed = client
-        .query(
-            &claim,
-            &[&10i64, &lease_ms, &shard, &after, &after_id, &old],
-        )
-        .await
-        .unwrap();
+    let by_hand = ByHand {
+        claim: client.prepare_typed(CLAIM_SQL, CLAIM_TYPES).await.unwrap(),
+        mark: client.prepare_typed(MARK_SQL, MARK_TYPES).await.unwrap(),
+        client,
+        shard,
+    };
+    let claimed = by_hand.claim(old).await;
     assert_eq!(claimed.len(), 10);
     // The claim committed without waiting for its WAL flush, and left the
     // session's setting alone (it is set for the claim's transaction only).
-    let setting: String = client
+    let setting: String = by_hand
+        .client
         .query_one("SHOW synchronous_commit", &[])
         .await
         .unwrap()
         .get(0);
     assert_eq!(setting, "on");
-    let ids: Vec<i64> = claimed.iter().map(|r| r.get(0)).collect();
-    let attempts: Vec<i32> = claimed.iter().map(|r| r.get(10)).collect();
 
     // Another replica takes the shard (its lease ended, say).
-    let new = seize_shard(&client, shard, "new", Duration::from_secs(60))
+    let new = seize_shard(&by_hand.client, shard, "new", Duration::from_secs(60))
         .await
         .unwrap();
     assert!(new > old, "tokens increase");
-    let n = ids.len();
-    let publish = |token: i64| {
-        (
-            vec![1i16; n],
-            vec![0i64; n],
-            vec![None::<&str>; n],
-            vec![token; n],
-        )
-    };
-    let (kinds, delays, errors, tokens) = publish(old);
-    let applied = client
-        .query(&mark, &[&ids, &attempts, &kinds, &delays, &errors, &tokens])
-        .await
-        .unwrap();
-    assert!(applied.is_empty(), "a mark under the old token was applied");
+    assert_eq!(
+        by_hand.publish(&claimed, old).await,
+        0,
+        "a mark under the old token was applied"
+    );
     assert_eq!(
         count(
             &db,
@@ -572,15 +603,8 @@ async fn claims_and_marks_under_a_superseded_token_change_no_row() {
         .await,
         0
     );
-    let stale_claim = client
-        .query(
-            &claim,
-            &[&10i64, &lease_ms, &shard, &after, &after_id, &old],
-        )
-        .await
-        .unwrap();
     assert!(
-        stale_claim.is_empty(),
+        by_hand.claim(old).await.is_empty(),
         "a claim under the old token took rows"
     );
     assert_eq!(
@@ -594,46 +618,23 @@ async fn claims_and_marks_under_a_superseded_token_change_no_row() {
     );
 
     // The new owner's claims and marks work.
-    let (kinds, delays, errors, tokens) = publish(new);
-    let applied = client
-        .query(&mark, &[&ids, &attempts, &kinds, &delays, &errors, &tokens])
-        .await
-        .unwrap();
-    assert_eq!(applied.len(), n);
-    let fresh = client
-        .query(
-            &claim,
-            &[&10i64, &lease_ms, &shard, &after, &after_id, &new],
-        )
-        .await
-        .unwrap();
+    assert_eq!(by_hand.publish(&claimed, new).await, claimed.len());
+    let fresh = by_hand.claim(new).await;
     assert_eq!(fresh.len(), 10);
 
     // A lease that ended refuses its own owner's writes too.
-    client
+    by_hand
+        .client
         .execute(
             "UPDATE outbox_relay_shard_leases SET lease_until = now() - interval '1 second' WHERE shard = $1",
             &[&shard],
         )
         .await
         .unwrap();
-    let ids: Vec<i64> = fresh.iter().map(|r| r.get(0)).collect();
-    let attempts: Vec<i32> = fresh.iter().map(|r| r.get(10)).collect();
-    let (kinds, delays, errors, tokens) = publish(new);
-    let applied = client
-        .query(&mark, &[&ids, &attempts, &kinds, &delays, &errors, &tokens])
-        .await
-        .unwrap();
-    assert!(
-        applied.is_empty(),
+    assert_eq!(
+        by_hand.publish(&fresh, new).await,
+        0,
         "a mark after the lease ended was applied"
     );
-    let expired_claim = client
-        .query(
-            &claim,
-            &[&10i64, &lease_ms, &shard, &after, &after_id, &new],
-        )
-        .await
-        .unwrap();
-    assert!(expired_claim.is_empty());
+    assert!(by_hand.claim(new).await.is_empty());
 }

@@ -13,7 +13,7 @@ use chrono::{DateTime, Utc};
 use metrics::{counter, gauge, histogram};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::OwnedSemaphorePermit;
-use tokio_postgres::types::Type;
+use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::Statement;
 use uuid::Uuid;
 
@@ -523,36 +523,14 @@ async fn claim(
     let rest = limit - rows.len() as i64;
     if let (Some(plain), true) = (&c.plain, rest > 0) {
         let (after_available, after_id) = state.cursor;
-        rows.extend(if ordered {
-            c.conn
-                .query(
-                    plain,
-                    &[
-                        &rest,
-                        &lease_ms,
-                        &state.shard,
-                        &after_available,
-                        &after_id,
-                        &state.ordered_patterns,
-                        &state.token,
-                    ],
-                )
-                .await?
-        } else {
-            c.conn
-                .query(
-                    plain,
-                    &[
-                        &rest,
-                        &lease_ms,
-                        &state.shard,
-                        &after_available,
-                        &after_id,
-                        &state.token,
-                    ],
-                )
-                .await?
-        });
+        // The types-not-ordered claim takes the ordered patterns before the token.
+        let mut params: Vec<&(dyn ToSql + Sync)> =
+            vec![&rest, &lease_ms, &state.shard, &after_available, &after_id];
+        if ordered {
+            params.push(&state.ordered_patterns);
+        }
+        params.push(&state.token);
+        rows.extend(c.conn.query(plain, &params).await?);
     }
     let mut out: Vec<(OutboxRow, DateTime<Utc>)> = rows
         .iter()

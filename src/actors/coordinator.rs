@@ -359,7 +359,7 @@ fn hand_over(myself: &ActorRef<CoordinatorMsg>, state: &mut CoordinatorState, sh
     let coordinator = myself.clone();
     let token = tenure.token;
     tokio::spawn(async move {
-        let _ = supervisor
+        let stopped = supervisor
             .call(
                 |reply| SupervisorMsg::StopClaimer {
                     shard: shard as u32,
@@ -369,6 +369,10 @@ fn hand_over(myself: &ActorRef<CoordinatorMsg>, state: &mut CoordinatorState, sh
                 Some(Duration::from_secs(5)),
             )
             .await;
+        if !matches!(stopped, Ok(ractor::rpc::CallResult::Success(()))) {
+            // Its claims are refused once the lease is given back below.
+            tracing::warn!(shard, "handover: the claimer did not confirm it stopped");
+        }
         let config = &shared.config.relay;
         let deadline = Instant::now() + config.shutdown_grace.min(config.shard_lease / 2);
         while !shared.in_flight.of_shard(shard).is_empty() && Instant::now() < deadline {

@@ -7,9 +7,8 @@
 //! mark with 20,000 rows pending, which stalled the whole relay behind its
 //! in-flight permits (found by the load-test drain scenario).
 
-use outbox_relay::actors::marker::MARK_SQL;
+use outbox_relay::actors::marker::{MARK_SQL, MARK_TYPES};
 use outbox_relay::testkit::TestDb;
-use tokio_postgres::types::Type;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_mark_update_goes_through_the_primary_key_on_a_fresh_backlog() {
@@ -31,20 +30,7 @@ async fn the_mark_update_goes_through_the_primary_key_on_a_fresh_backlog() {
         .await
         .unwrap();
     let explain = format!("EXPLAIN {MARK_SQL}");
-    let stmt = client
-        .prepare_typed(
-            &explain,
-            &[
-                Type::INT8_ARRAY,
-                Type::INT4_ARRAY,
-                Type::INT2_ARRAY,
-                Type::INT8_ARRAY,
-                Type::TEXT_ARRAY,
-                Type::INT8_ARRAY,
-            ],
-        )
-        .await
-        .unwrap();
+    let stmt = client.prepare_typed(&explain, MARK_TYPES).await.unwrap();
     let ids: Vec<i64> = (1..=1000).collect();
     let attempts = vec![1i32; 1000];
     let kinds = vec![1i16; 1000];

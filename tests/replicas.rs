@@ -156,6 +156,15 @@ async fn start_split(
     replicas
 }
 
+/// Waits (at most `limit`) until `names` split the shards evenly.
+async fn wait_split(db: &TestDb, names: &[&str], limit: Duration) {
+    assert!(
+        wait_until(limit, || async { split_evenly(&owners(db).await, names) }).await,
+        "not split evenly among {names:?}: {:?}",
+        owners(db).await
+    );
+}
+
 async fn reshard(db: &TestDb) {
     let mut client = db.client().await.unwrap();
     outbox_relay::ops::shards::reshard(&mut client, SHARDS)
@@ -308,14 +317,7 @@ async fn three_replicas_split_sixteen_shards_and_deliver_everything_in_order() {
     // SIGTERM hands the shards over: the others take them at once, and the
     // last one gives everything back.
     replicas[0].stop().await;
-    assert!(
-        wait_until(Duration::from_secs(10), || async {
-            split_evenly(&owners(&db).await, &["b", "c"])
-        })
-        .await,
-        "after a left: {:?}",
-        owners(&db).await
-    );
+    wait_split(&db, &["b", "c"], Duration::from_secs(10)).await;
     for r in &mut replicas[1..] {
         r.stop().await;
     }
@@ -356,14 +358,7 @@ async fn a_killed_replicas_shards_move_after_one_lease_and_nothing_is_lost() {
         .map(|r| r.get(0))
         .collect();
     assert!(pending(&db).await > 0, "the kill came too late");
-    assert!(
-        wait_until(Duration::from_secs(15), || async {
-            split_evenly(&owners(&db).await, &["a", "c"])
-        })
-        .await,
-        "{:?}",
-        owners(&db).await
-    );
+    wait_split(&db, &["a", "c"], Duration::from_secs(15)).await;
     // Not before its lease (2 s) could have ended.
     assert!(killed_at.elapsed() >= Duration::from_millis(1000));
     assert_drained_in_order(&db, &sink, 6000).await;
@@ -410,14 +405,7 @@ async fn a_replica_paused_past_its_lease_has_its_late_marks_refused() {
         .map(|r| (r.get(0), r.get(1)))
         .collect();
     assert!(!held.is_empty(), "the paused replica held nothing");
-    assert!(
-        wait_until(Duration::from_secs(15), || async {
-            split_evenly(&owners(&db).await, &["a", "c"])
-        })
-        .await,
-        "{:?}",
-        owners(&db).await
-    );
+    wait_split(&db, &["a", "c"], Duration::from_secs(15)).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     replicas[1].signal(Signal::SIGCONT);
     // Its answers come in now; the database refuses what it tries to mark.
@@ -462,14 +450,7 @@ async fn a_replica_joining_mid_drain_takes_shards_without_a_pause_in_delivery() 
     let mut replicas = start_split(&db, &sink, &["a", "b"], "10s", "1s", 300).await;
     let joined_at = Instant::now();
     replicas.push(Replica::start(&db, &sink, "c", "10s", "1s"));
-    assert!(
-        wait_until(Duration::from_secs(15), || async {
-            split_evenly(&owners(&db).await, &["a", "b", "c"])
-        })
-        .await,
-        "{:?}",
-        owners(&db).await
-    );
+    wait_split(&db, &["a", "b", "c"], Duration::from_secs(15)).await;
     let split_at = Instant::now();
     assert!(pending(&db).await > 0, "drained before the split");
     assert_drained_in_order(&db, &sink, 8000).await;

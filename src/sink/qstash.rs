@@ -106,6 +106,11 @@ impl QstashSink {
         let id = row.id.to_string();
         headers.push(("upstash-forward-x-outbox-id".into(), id.clone()));
         headers.push(("upstash-forward-x-event-id".into(), id));
+        // Failure reports echo it: the callback marks only this attempt.
+        headers.push((
+            "upstash-forward-x-outbox-idempotency-key".into(),
+            row.idempotency_key.clone(),
+        ));
         Ok(Message {
             destination,
             headers,

@@ -14,7 +14,10 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use jsonwebtoken::{Algorithm, EncodingKey, Header};
+mod common;
+
+use common::jwt;
+use jsonwebtoken::Algorithm;
 use outbox_relay::consumer::example::{self, ExampleConfig, ExampleConsumer, SubjectCheck};
 use outbox_relay::consumer::idempotent::{consume_once, prune_processed, ConsumeError, Consumed};
 use outbox_relay::consumer::qstash::{Clock, SignatureError, Verifier};
@@ -50,16 +53,6 @@ fn claims(body: &[u8]) -> Value {
         "jti": "jwt_test",
         "body": body_hash(body),
     })
-}
-
-/// A JWT from the `jsonwebtoken` crate, not from our code.
-fn jwt(key: &str, claims: &Value, alg: Algorithm) -> String {
-    jsonwebtoken::encode(
-        &Header::new(alg),
-        claims,
-        &EncodingKey::from_secret(key.as_bytes()),
-    )
-    .unwrap()
 }
 
 fn verifier() -> Verifier {

@@ -11,7 +11,7 @@ use base64::engine::general_purpose::{STANDARD, URL_SAFE};
 use base64::Engine;
 use common::process::{without_config_env, BIN};
 use common::wait_until;
-use jsonwebtoken::{Algorithm, EncodingKey, Header};
+use jsonwebtoken::Algorithm;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use outbox_relay::testkit::TestDb;
@@ -237,14 +237,13 @@ const CURRENT: &str = "sig_cur_Leak_1";
 
 fn sign(key: &str, subject: &str, body: &[u8]) -> String {
     let now = chrono::Utc::now().timestamp();
-    jsonwebtoken::encode(
-        &Header::new(Algorithm::HS256),
+    common::jwt(
+        key,
         &json!({"iss": "Upstash", "sub": subject, "exp": now + 300, "nbf": 0, "iat": now,
                 "jti": format!("jwt_{}", Uuid::new_v4().simple()),
                 "body": URL_SAFE.encode(Sha256::digest(body))}),
-        &EncodingKey::from_secret(key.as_bytes()),
+        Algorithm::HS256,
     )
-    .unwrap()
 }
 
 async fn post(url: &str, signature: &str, body: &[u8]) -> (u16, String) {

@@ -576,8 +576,12 @@ impl RouteConfig {
                 "must not be empty",
             ));
         }
-        crate::routes::check_template(&self.destination)
-            .map_err(|e| ConfigError::invalid(format!("{at}.destination"), e))?;
+        crate::routes::check_template(&self.destination).map_err(|e| {
+            ConfigError::invalid(
+                format!("{at}.destination"),
+                crate::redact::url_in(&e, &self.destination),
+            )
+        })?;
         if self.sink == SinkKind::Webhook {
             match &self.signing_secret {
                 Some(s) if s.starts_with("whsec_") => {
@@ -631,11 +635,15 @@ impl RouteConfig {
     }
 }
 
+/// Errors name the URL with its credentials hidden.
 fn parse_http_url(s: &str) -> Result<http::Uri, String> {
-    let uri: http::Uri = s.parse().map_err(|e| format!("`{s}` is not a URL: {e}"))?;
+    let shown = crate::redact::url(s);
+    let uri: http::Uri = s
+        .parse()
+        .map_err(|e| format!("`{shown}` is not a URL: {e}"))?;
     match uri.scheme_str() {
         Some("http") | Some("https") => Ok(uri),
-        _ => Err(format!("`{s}` must start with http:// or https://")),
+        _ => Err(format!("`{shown}` must start with http:// or https://")),
     }
 }
 

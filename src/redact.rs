@@ -44,6 +44,14 @@ pub fn url(url: &str) -> String {
     redact_url(url, true)
 }
 
+/// `message` with every occurrence of `url` replaced by [`url`]'s redacted form.
+pub fn url_in(message: &str, raw: &str) -> String {
+    if raw.is_empty() {
+        return message.to_owned();
+    }
+    message.replace(raw, &url(raw))
+}
+
 fn redact_url(url: &str, hide_bare_user: bool) -> String {
     let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
         return url.to_owned();

@@ -334,3 +334,39 @@ async fn dead(client: &tokio_postgres::Client, id: i64) -> bool {
         .unwrap()
         .get(0)
 }
+
+#[test]
+fn a_rejected_url_is_named_without_its_credentials() {
+    for (key, toml) in [
+        (
+            "qstash.url",
+            format!("[qstash]\nurl = \"ftp://u:qs-{MARK}-1@qstash.example.com/\"\ntoken = \"t\""),
+        ),
+        (
+            "routes[0].destination",
+            format!(
+                "[qstash]\ntoken = \"t\"\n[[routes]]\nevent_type = \"*\"\ndestination = \"https://u:dest-{MARK}-2@h.example.com/{{event_type\""
+            ),
+        ),
+        (
+            "routes[0].failure_callback",
+            format!(
+                "[qstash]\ntoken = \"t\"\n[[routes]]\nevent_type = \"*\"\ndestination = \"https://h.example.com/\"\nfailure_callback = \"gopher://cb:cb-{MARK}-3@cb.example.com/?token=cb-{MARK}-4\""
+            ),
+        ),
+    ] {
+        let config = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(config.path(), &toml).unwrap();
+        let out = without_config_env(&mut Command::new(BIN))
+            .args(["check-config", "--config"])
+            .arg(config.path())
+            .env("DATABASE_URL", "postgres://postgres@127.0.0.1/x")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{toml}");
+        assert!(stderr.contains(key), "{key}: {stderr}");
+        assert!(!stderr.contains(MARK), "a secret is printed: {stderr}");
+        assert!(stderr.contains("example.com"), "{stderr}");
+    }
+}

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use crate::config::Config;
 use crate::consumer::qstash::Verifier;
 use crate::relay::Relay;
-use crate::server::callback::{failure_callback_router, CallbackOptions};
+use crate::server::callback::{self, CallbackOptions};
 use crate::server::ops::{self, OpsState, Readiness};
 
 /// Starts the relay; a database that cannot be reached (or drops the
@@ -88,12 +88,16 @@ pub async fn run_until_signal(config: Config) -> anyhow::Result<()> {
             Some(config.qstash.next_signing_key.as_str()).filter(|k| !k.is_empty()),
         )
         .with_tolerance(config.server.signature_tolerance);
-        let router =
-            failure_callback_router(relay.pool().clone(), verifier, callback_options(&config));
         let mut rx = stop_rx.clone();
-        let (local, _task) = ops::serve(addr, router, async move {
-            let _ = rx.changed().await;
-        })
+        let (local, _task) = callback::serve(
+            addr,
+            relay.pool().clone(),
+            verifier,
+            callback_options(&config),
+            async move {
+                let _ = rx.changed().await;
+            },
+        )
         .await
         .map_err(|e| anyhow::anyhow!("server.callback_bind {addr}: {e}"))?;
         tracing::info!(%local, "serving POST /qstash/failure");

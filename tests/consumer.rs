@@ -1475,3 +1475,88 @@ async fn failure_callback_checks_the_url_it_was_called_at() {
     let reply = report_to(&server, CURRENT, &report).await;
     assert_eq!(reply.status, 200, "{}", reply.body);
 }
+
+/// The failure callback served the way the daemon serves it, with the
+/// connection limits of `options`.
+async fn guarded_callback_server(
+    options: CallbackOptions,
+) -> (TestDb, SocketAddr, tokio::sync::oneshot::Sender<()>) {
+    let (db, pool) = setup_db().await;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (addr, _task) = outbox_relay::server::callback::serve(
+        "127.0.0.1:0".parse().unwrap(),
+        pool,
+        Verifier::new(CURRENT, Some(NEXT)),
+        options,
+        async {
+            let _ = stopped.await;
+        },
+    )
+    .await
+    .unwrap();
+    (db, addr, stop)
+}
+
+/// Reads until the server closes the connection; the test's own limit only
+/// keeps a server that never closes it from hanging the test.
+async fn closed_by_server(stream: &mut tokio::net::TcpStream) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 1024];
+    tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await
+    .is_ok()
+}
+
+#[tokio::test]
+async fn failure_callback_closes_connections_that_go_quiet() {
+    use tokio::io::AsyncWriteExt;
+    let mut options = CallbackOptions::new([CALLBACK_URL]);
+    options.idle_timeout = Duration::from_millis(300);
+    let (_db, addr, _stop) = guarded_callback_server(options).await;
+    // Nothing at all, and headers that never end.
+    let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
+    slow.write_all(b"POST /qstash/failure HTTP/1.1\r\nhost: relay\r\nx-a: ")
+        .await
+        .unwrap();
+    assert!(
+        closed_by_server(&mut silent).await,
+        "a silent client was kept"
+    );
+    assert!(
+        closed_by_server(&mut slow).await,
+        "unfinished headers were waited on"
+    );
+    // A client that keeps talking is served.
+    let reply = post(addr, "/qstash/failure", &[], b"{}").await;
+    assert_eq!(reply.status, 401, "{}", reply.body);
+}
+
+#[tokio::test]
+async fn failure_callback_caps_open_connections() {
+    use tokio::io::AsyncWriteExt;
+    let mut options = CallbackOptions::new([CALLBACK_URL]);
+    options.max_connections = 2;
+    let (_db, addr, _stop) = guarded_callback_server(options).await;
+    let first = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let _second = tokio::net::TcpStream::connect(addr).await.unwrap();
+    // The third is accepted only when one of the two goes away.
+    let mut third = tokio::net::TcpStream::connect(addr).await.unwrap();
+    third
+        .write_all(b"POST /qstash/failure HTTP/1.1\r\nhost: relay\r\ncontent-length: 2\r\n\r\n{}")
+        .await
+        .unwrap();
+    let mut byte = [0u8; 1];
+    use tokio::io::AsyncReadExt;
+    let early = tokio::time::timeout(Duration::from_millis(300), third.read(&mut byte)).await;
+    assert!(early.is_err(), "served over the connection limit");
+    drop(first);
+    assert_eq!(response_status(&mut third).await, 401);
+}

@@ -46,6 +46,12 @@ pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// Reports handled at once; more are answered 503 (QStash retries them).
 pub const DEFAULT_MAX_CONCURRENT: usize = 8;
 
+/// Connections open at once; more wait to be accepted.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
+
+/// A connection on which nothing moves for this long is closed.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Header names (lowercase) that carry the outbox row id, in order of trust.
 const ID_HEADERS: &[&str] = &["x-outbox-id", "x-event-id"];
 
@@ -85,6 +91,11 @@ pub struct CallbackOptions {
     pub read_timeout: Duration,
     /// Reports handled at once; more get 503 with `Retry-After`.
     pub max_concurrent: usize,
+    /// Connections open at once ([`serve`]); more wait to be accepted.
+    pub max_connections: usize,
+    /// A connection that sends and receives nothing for this long is closed
+    /// ([`serve`]), headers not yet complete included.
+    pub idle_timeout: Duration,
 }
 
 impl CallbackOptions {
@@ -95,8 +106,24 @@ impl CallbackOptions {
             max_body_bytes: DEFAULT_MAX_REPORT_BYTES,
             read_timeout: DEFAULT_READ_TIMEOUT,
             max_concurrent: DEFAULT_MAX_CONCURRENT,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
         }
     }
+}
+
+/// Serves the failure callback on `addr` until `shutdown` resolves, with the
+/// connection limits of `options` (the report limits are the router's).
+pub async fn serve(
+    addr: std::net::SocketAddr,
+    pool: Pool,
+    verifier: Verifier,
+    options: CallbackOptions,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)> {
+    let (max_connections, idle_timeout) = (options.max_connections, options.idle_timeout);
+    let router = failure_callback_router(pool, verifier, options);
+    super::guarded::serve(addr, router, max_connections, idle_timeout, shutdown).await
 }
 
 struct CallbackState {

@@ -10,7 +10,6 @@ use std::time::Duration;
 use base64::engine::general_purpose::{STANDARD, URL_SAFE};
 use base64::Engine;
 use common::process::{without_config_env, BIN};
-use common::wait_until;
 use jsonwebtoken::Algorithm;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -161,11 +160,16 @@ impl Daemon {
     }
 
     async fn wait_running(&mut self) {
-        let running = wait_until(Duration::from_secs(30), || async {
-            self.log().contains("\"outbox-relay running\"")
-        })
-        .await;
-        assert!(running, "the daemon did not start:\n{}", self.log());
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !self.log().contains("\"outbox-relay running\"") {
+            let exited = self.child.try_wait().unwrap().is_some();
+            assert!(
+                !exited && std::time::Instant::now() < deadline,
+                "the daemon did not start:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     async fn stop(&mut self) {
@@ -196,6 +200,7 @@ fn daemon_toml(callback_bind: SocketAddr, callback_url: &str) -> String {
         poll_interval = "100ms"
         shutdown_grace = "2s"
         [server]
+        metrics_bind = "127.0.0.1:0"
         callback_bind = "{callback_bind}"
         {}
         "#,

@@ -121,6 +121,7 @@ async fn qstash_headers_are_those_the_official_sdk_sends() {
     ]);
     expected.insert("upstash-forward-x-outbox-id", &id);
     expected.insert("upstash-forward-x-event-id", &id);
+    expected.insert("upstash-forward-x-outbox-idempotency-key", "d1");
     let upstash: BTreeMap<&str, &str> = msg
         .headers
         .iter()

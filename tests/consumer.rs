@@ -30,7 +30,7 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
-// The local dev server's keys (qstash.md §7).
+// The local dev server's keys (docs/qstash-protocol.md, "The local development server").
 const CURRENT: &str = "sig_7kYjw48mhY7kAjqNGcy6cr29RJ6r";
 const NEXT: &str = "sig_5ZB6DVzB1wjE8S6rZ7eenA8Pdnhs";
 const OTHER: &str = "sig_6jWGaWRxHsw4vMSPJprXadyvrybF";
@@ -237,7 +237,8 @@ fn qstash_body_hash_padded_unpadded_and_standard_alphabet() {
             assert!(matches!(result, Err(SignatureError::BodyMismatch { .. })));
         }
     }
-    // The qstash.md vectors: this body's standard form has a '/', its URL-safe one '_'.
+    // The vectors of docs/qstash-protocol.md: this body's standard form has a '/',
+    // its URL-safe one '_'.
     assert_eq!(
         STANDARD.encode(digest),
         "6fdOcVoYBqplFInc8XbncBOzyFHbwRTMnCTy/p1BHWU="

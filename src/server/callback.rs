@@ -163,7 +163,8 @@ impl HeaderValues {
     }
 }
 
-/// The failure-callback report (qstash.md §5.3); only what we use.
+/// The failure-callback report (docs/qstash-protocol.md, "Failure callbacks");
+/// only what we use.
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct FailureReport {

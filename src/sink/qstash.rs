@@ -1,4 +1,5 @@
-//! Publishing to QStash exactly as the official SDK does (`qstash.md` §1–2):
+//! Publishing to QStash with the requests the official SDK sends
+//! (docs/qstash-protocol.md):
 //! `POST /v2/batch` with many messages per request (the throughput path), or
 //! `POST /v2/publish/{destination}` one by one.
 

@@ -93,6 +93,7 @@ impl Relay {
                 breakers: Breakers::new(
                     router.routes().iter().map(|r| r.name.clone()),
                     config.http.request_timeout,
+                    config.relay.lease,
                 ),
             },
             backoff: Backoff {

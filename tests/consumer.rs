@@ -1138,7 +1138,8 @@ async fn failure_callback_dead_letters_the_published_row_with_the_reason() {
         (
             true,
             Some(
-                "qstash: status 503 after 3 retries: upstream is down\nfor maintenance (dlqId 1725323658779-0)"
+                // The answer's newline becomes a space: last_error is one readable line.
+                "qstash: status 503 after 3 retries: upstream is down for maintenance (dlqId 1725323658779-0)"
                     .to_owned()
             ),
             true

@@ -24,9 +24,16 @@ pub const FAILING_REQUESTS: u32 = 5;
 /// events (a handler that crashes on them), which spend their own attempts
 /// and end dead-lettered, rather than like an outage.
 pub const FAILING_EVENTS: usize = 10;
-/// The first pause; each failed probe doubles it, up to [`PAUSE_MAX`].
+/// The first pause; each failed probe doubles it, up to the breaker's longest
+/// pause: half the row lease, within [`PAUSE_MIN`] and [`PAUSE_MAX`], so a
+/// sink that comes back is probed again well within a lease.
 pub const PAUSE_MIN: Duration = Duration::from_secs(1);
 pub const PAUSE_MAX: Duration = Duration::from_secs(60);
+
+/// The longest pause for a relay whose row lease is `lease`.
+pub fn longest_pause(lease: Duration) -> Duration {
+    (lease / 2).clamp(PAUSE_MIN, PAUSE_MAX)
+}
 
 /// What a delivery's outcomes say about the sink.
 #[derive(Debug, Clone, PartialEq)]
@@ -139,15 +146,17 @@ pub struct Breaker {
     route: String,
     /// A probe that never reports (its publisher crashed) is given up after this.
     probe_timeout: Duration,
+    longest_pause: Duration,
     state: Mutex<State>,
 }
 
 impl Breaker {
-    pub fn new(route: &str, request_timeout: Duration) -> Breaker {
+    pub fn new(route: &str, request_timeout: Duration, longest_pause: Duration) -> Breaker {
         gauge!(m::ROUTE_PAUSED, "route" => route.to_owned()).set(0.0);
         Breaker {
             route: route.to_owned(),
             probe_timeout: request_timeout * 2,
+            longest_pause,
             state: Mutex::new(State::closed()),
         }
     }
@@ -240,10 +249,12 @@ impl Breaker {
             return Some((*until, error.clone()));
         }
         let pause = match last_pause {
-            Some(p) => (p * 2).min(PAUSE_MAX),
-            None => PAUSE_MIN,
+            Some(p) => (p * 2).min(self.longest_pause),
+            None => PAUSE_MIN.min(self.longest_pause),
         };
-        let until = now + pause.max(after.unwrap_or_default());
+        // A sink that says when it takes work again (a 429's reset) is taken
+        // at its word, even when that is sooner than the backoff.
+        let until = now + after.unwrap_or(pause);
         let error = super::truncate(format!("route paused ({cause}): {error}"), 500);
         tracing::warn!(
             route = %self.route,
@@ -278,11 +289,15 @@ pub struct Breakers {
 }
 
 impl Breakers {
-    pub fn new(names: impl IntoIterator<Item = String>, request_timeout: Duration) -> Breakers {
+    pub fn new(
+        names: impl IntoIterator<Item = String>,
+        request_timeout: Duration,
+        lease: Duration,
+    ) -> Breakers {
         Breakers {
             routes: names
                 .into_iter()
-                .map(|n| Breaker::new(&n, request_timeout))
+                .map(|n| Breaker::new(&n, request_timeout, longest_pause(lease)))
                 .collect(),
         }
     }
@@ -349,7 +364,7 @@ mod tests {
 
     #[test]
     fn pauses_probes_and_backs_off() {
-        let b = Breaker::new("r", Duration::from_secs(1));
+        let b = Breaker::new("r", Duration::from_secs(1), Duration::from_secs(30));
         let t0 = Instant::now();
         let ids: Vec<i64> = (0..FAILING_EVENTS as i64).collect();
         let fail = || Health::Failing {
@@ -381,8 +396,45 @@ mod tests {
     }
 
     #[test]
+    fn a_pause_never_outgrows_half_the_lease() {
+        assert_eq!(
+            longest_pause(Duration::from_secs(10)),
+            Duration::from_secs(5)
+        );
+        assert_eq!(longest_pause(Duration::from_secs(600)), PAUSE_MAX);
+        let b = Breaker::new("r", Duration::from_secs(1), Duration::from_secs(5));
+        let mut now = Instant::now();
+        let down = || Health::Down {
+            after: None,
+            cause: "connect",
+            error: "refused".into(),
+        };
+        let mut pauses = Vec::new();
+        for _ in 0..6 {
+            let (until, _) = b.record(down(), &[1], now).unwrap();
+            pauses.push(until - now);
+            now = until;
+            assert_eq!(b.admit(now), Admit::Send, "the probe");
+        }
+        assert_eq!(pauses.iter().max(), Some(&Duration::from_secs(5)));
+        // A 429 that says when it lifts is believed, even sooner than the backoff.
+        let (until, _) = b
+            .record(
+                Health::Down {
+                    after: Some(Duration::from_millis(300)),
+                    cause: "rate_limited",
+                    error: "429".into(),
+                },
+                &[1],
+                now,
+            )
+            .unwrap();
+        assert_eq!(until, now + Duration::from_millis(300));
+    }
+
+    #[test]
     fn a_sink_that_asks_for_longer_is_given_it() {
-        let b = Breaker::new("r", Duration::from_secs(1));
+        let b = Breaker::new("r", Duration::from_secs(1), Duration::from_secs(30));
         let t0 = Instant::now();
         let (until, error) = b
             .record(
@@ -398,7 +450,10 @@ mod tests {
         assert_eq!(until, t0 + Duration::from_secs(30));
         assert!(error.contains("rate_limited") && error.contains("429"));
         let all = Breakers {
-            routes: vec![b, Breaker::new("s", Duration::from_secs(1))],
+            routes: vec![
+                b,
+                Breaker::new("s", Duration::from_secs(1), Duration::from_secs(30)),
+            ],
         };
         assert_eq!(all.all_paused_until(t0), None, "one route still open");
     }

@@ -102,6 +102,8 @@ pub struct AdversarialReport {
     pub dead_without_reason: Vec<i64>,
     /// Published without an accepting answer from the sink.
     pub published_unaccepted: Vec<i64>,
+    /// For the first ten of those: what the sink answered about it, in order.
+    pub published_unaccepted_answers: Vec<String>,
     pub dead_letters: u64,
     /// Dead letters per reason (`last_error` up to its first `:`).
     pub dead_letter_reasons: BTreeMap<String, u64>,
@@ -141,6 +143,9 @@ impl AdversarialReport {
                 self.published_unaccepted.len(),
                 sample_ids(&self.published_unaccepted)
             ));
+            for a in &self.published_unaccepted_answers {
+                f.push(format!("  {a}"));
+            }
         }
         if !self.unjustified_dead_letters.is_empty() {
             f.push(format!(
@@ -213,6 +218,17 @@ pub fn check(input: &CheckInput<'_>) -> AdversarialReport {
         let answers = by_id.get(&row.id).unwrap_or(&none);
         if row.published {
             if !answers.iter().any(|a| a.kind == AnswerKind::Accepted) {
+                if r.published_unaccepted.len() < 10 {
+                    let seen: Vec<String> = answers
+                        .iter()
+                        .map(|a| format!("{:?} at {:.3} s", a.kind, secs(a.at_us)))
+                        .collect();
+                    r.published_unaccepted_answers.push(format!(
+                        "id {}: {}",
+                        row.id,
+                        seen.join(", ")
+                    ));
+                }
                 r.published_unaccepted.push(row.id);
             }
             continue;
@@ -456,6 +472,7 @@ mod tests {
         assert_eq!(r.answers.rejected, 4);
         let f = r.failures().join("\n");
         assert!(f.contains("never answered as accepted: ids 2"), "{f}");
+        assert!(f.contains("id 2: AcceptedUnread at 1.000 s"), "{f}");
         assert!(
             f.contains("neither published nor dead-lettered: ids 6"),
             "{f}"

@@ -498,6 +498,13 @@ impl Report {
                         + self.sink.resets
                         + self.sink.lost_responses
                         + self.sink.element_errors
+                        + self
+                            .sink
+                            .adversarial
+                            .iter()
+                            .filter(|(k, _)| *k != "nul_body")
+                            .map(|(_, n)| n)
+                            .sum::<u64>()
                 ),
             ),
         ];

@@ -190,7 +190,7 @@ async fn three_replicas_killed_and_paused_lose_nothing_and_keep_key_order() {
         report,
         context,
         out_dir,
-        ..
+        dir: _dir,
     } = run_in_test(&scenario, Duration::from_secs(600), 15).await;
     eprintln!("{}\nwall time {:.1?}", report.table(), started.elapsed());
 

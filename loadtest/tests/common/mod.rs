@@ -232,7 +232,8 @@ pub struct TestRun {
     pub report: loadtest::report::Report,
     pub out_dir: PathBuf,
     pub context: String,
-    _dir: tempfile::TempDir,
+    /// Holds `out_dir`: bind it while the files are needed.
+    pub dir: tempfile::TempDir,
 }
 
 /// Runs `scenario` against [`relay`] and [`server_url`], panicking when it
@@ -262,7 +263,7 @@ pub async fn run_in_test(
         report,
         out_dir: opts.out_dir,
         context,
-        _dir: dir,
+        dir,
     }
 }
 

@@ -1,5 +1,5 @@
 //! Delivery mode: the sink forwards each newly accepted message to its
-//! destination the way QStash does (qstash.md §5), signed (§6). Plain HTTP to
+//! destination the way QStash does, signed. Plain HTTP to
 //! loopback destinations only: anything else is refused when it is published.
 
 use std::net::IpAddr;

@@ -1,21 +1,21 @@
 //! A QStash-compatible sink for load tests and the relay's own tests.
 //!
-//! Speaks the two publish endpoints of qstash.md §1–§2 over HTTP/1.1 and h2c:
+//! Speaks QStash's two publish endpoints over HTTP/1.1 and h2c:
 //!
 //! - `POST /v2/publish/{destination}`: the destination is everything after
 //!   `/v2/publish/`, a full `http(s)://` URL, with the request's query string
-//!   minus `qstash_token` and `upstash-*` keys (the emulator rule of §1.2).
+//!   minus `qstash_token` and `upstash-*` keys (as QStash's local emulator does).
 //!   Fresh message: `200 {"messageId":"msg_…","url":…,"deduplicated":false}`;
 //!   repeated `Upstash-Deduplication-Id` within the window (or repeated
 //!   content with `Upstash-Content-Based-Deduplication: true`):
-//!   `202 {…,"deduplicated":true}` with the first message's id (§4).
+//!   `202 {…,"deduplicated":true}` with the first message's id.
 //! - `POST /v2/batch`: a JSON array of `{destination, headers, body, queue?}`,
 //!   answered `200` with one object per element, in order.
 //!
 //! Auth: `Authorization: Bearer <token>` or `?qstash_token=`; else `401`.
 //!
-//! **Batch element errors.** qstash.md §2 leaves the shape of a failed element
-//! UNCERTAIN. This sink answers a failed element with
+//! **Batch element errors.** QStash does not document the shape of a failed
+//! element. This sink answers a failed element with
 //! `{"error": "<reason>", "status": <code>}` in its slot while the other
 //! elements succeed: `status` is 400 for poison (never accepted; a relay should
 //! dead-letter) and 503 for an injected transient failure (retry). `status` is
@@ -1328,7 +1328,8 @@ fn to_delivery(msg: &Message, message_id: &str) -> delivery::Delivery {
     }
 }
 
-/// Destination, body, content type and forwarded headers (qstash.md §4).
+/// Destination, body, content type and forwarded headers, as QStash's
+/// content-based deduplication hashes them.
 fn content_hash(msg: &Message) -> String {
     let mut h = Sha256::new();
     h.update(msg.destination.as_bytes());

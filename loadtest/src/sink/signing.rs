@@ -1,4 +1,4 @@
-//! QStash request signing: the `Upstash-Signature` JWT (qstash.md §6).
+//! QStash request signing: the `Upstash-Signature` JWT.
 //!
 //! HS256 over the literal signing-key string (including its `sig_` prefix),
 //! claims `iss = "Upstash"`, `sub` = destination, `exp = iat + 300`, `nbf = 0`,
@@ -78,7 +78,7 @@ mod tests {
 
     #[test]
     fn matches_the_reference_test_vector() {
-        // qstash.md §6.3: fixed claims signed with the dev current key.
+        // Upstash's published test vector: fixed claims signed with the dev current key.
         let claims = SignatureClaims {
             iss: "Upstash".into(),
             sub: "https://example.com/api".into(),

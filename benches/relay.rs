@@ -49,7 +49,7 @@ fn request_building(c: &mut Criterion) {
     let cfg = config();
     let router = Router::new(&cfg.routes).unwrap();
     let route = router.route("order.placed").unwrap();
-    let sink = QstashSink::new(&cfg.qstash);
+    let sink = QstashSink::new(&cfg.qstash, &cfg.http);
     let rows: Vec<OutboxRow> = (0..100).map(row).collect();
     let mut g = c.benchmark_group("qstash");
     g.throughput(Throughput::Elements(100));

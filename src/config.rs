@@ -413,7 +413,7 @@ impl Config {
                 }
             }
         }
-        let config: Config = figment.extract().map_err(|e| {
+        let mut config: Config = figment.extract().map_err(|e| {
             // figment can report several errors; name each with its key.
             ConfigError::Load(
                 e.into_iter()
@@ -422,8 +422,54 @@ impl Config {
                     .join("; "),
             )
         })?;
+        config.resolve()?;
         config.validate()?;
         Ok(config)
+    }
+
+    /// What the file and environment say, made usable: secrets trimmed of
+    /// the white space a file or a Kubernetes secret leaves around them
+    /// (a token ending in a newline would be sent as a bare `Bearer`), and
+    /// `${VAR}` in route URLs replaced by the environment variable's value.
+    fn resolve(&mut self) -> Result<(), ConfigError> {
+        for secret in [
+            &mut self.qstash.token,
+            &mut self.qstash.current_signing_key,
+            &mut self.qstash.next_signing_key,
+        ] {
+            let trimmed = secret.trim();
+            if trimmed.len() != secret.len() {
+                *secret = trimmed.to_owned();
+            }
+        }
+        for (i, route) in self.routes.iter_mut().enumerate() {
+            if let Some(s) = &mut route.signing_secret {
+                *s = s.trim().to_owned();
+            }
+            route.destination =
+                expand_env(&route.destination, &format!("routes[{i}].destination"))?;
+            if let Some(cb) = &mut route.failure_callback {
+                *cb = expand_env(cb, &format!("routes[{i}].failure_callback"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks what running the relay needs beyond [`Config::validate`]: at
+    /// least one route (without one every event would be dead-lettered).
+    pub fn validate_for_relay(&self) -> Result<(), ConfigError> {
+        self.validate()?;
+        if self.routes.is_empty() {
+            return Err(ConfigError::invalid(
+                "routes",
+                "no route is configured, so every event would be dead-lettered with \"no route\"; \
+                 add one to the config file, for example\n\n[[routes]]\nevent_type = \"*\"\n\
+                 destination = \"https://api.example.com/events/{event_type}\"\n\n\
+                 (config/relay.toml has a catch-all route whose destination is the \
+                 OUTBOX_DESTINATION_URL environment variable)",
+            ));
+        }
+        Ok(())
     }
 
     /// Checks that no parser can: ranges, relations between keys, routes.
@@ -511,6 +557,16 @@ impl Config {
                 "http.request_timeout",
                 "must be more than zero",
             ));
+        }
+        for (key, value) in [
+            ("qstash.token", &self.qstash.token),
+            (
+                "qstash.current_signing_key",
+                &self.qstash.current_signing_key,
+            ),
+            ("qstash.next_signing_key", &self.qstash.next_signing_key),
+        ] {
+            check_secret(key, value)?;
         }
         if self.qstash.batch_size == 0 || self.qstash.batch_size > 1000 {
             return Err(ConfigError::invalid(
@@ -631,6 +687,43 @@ impl RouteConfig {
     }
 }
 
+/// A secret is sent in a header: only visible ASCII (no inner white space,
+/// no control characters) can be.
+fn check_secret(key: &str, value: &str) -> Result<(), ConfigError> {
+    match value.chars().position(|c| !c.is_ascii_graphic()) {
+        None => Ok(()),
+        Some(at) => Err(ConfigError::invalid(
+            key,
+            format!(
+                "has {} at character {at}; a secret must be printable ASCII without spaces \
+                 (was it read from a file with more than one line?)",
+                match value.chars().nth(at) {
+                    Some(c) if c.is_control() => format!("a control character ({:?})", c),
+                    Some(c) if c.is_whitespace() => "white space".to_owned(),
+                    _ => "a non-ASCII character".to_owned(),
+                }
+            ),
+        )),
+    }
+}
+
+/// `${NAME}` (or `$NAME`) replaced by the environment variable's value;
+/// `$$` is a literal `$`.
+fn expand_env(s: &str, key: &str) -> Result<String, ConfigError> {
+    if !s.contains('$') {
+        return Ok(s.to_owned());
+    }
+    shellexpand::env(s).map(|c| c.into_owned()).map_err(|e| {
+        ConfigError::invalid(
+            key,
+            format!(
+                "environment variable `{}` is not set ({})",
+                e.var_name, e.cause
+            ),
+        )
+    })
+}
+
 fn parse_http_url(s: &str) -> Result<http::Uri, String> {
     let uri: http::Uri = s.parse().map_err(|e| format!("`{s}` is not a URL: {e}"))?;
     match uri.scheme_str() {
@@ -680,5 +773,71 @@ pub fn redact_url_password(url: &str) -> String {
             &rest[at..]
         ),
         _ => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod resolve_tests {
+    use super::*;
+
+    fn with_token(token: &str) -> Result<Config, ConfigError> {
+        Config::from_toml_str(&format!(
+            "[qstash]\ntoken = {}\n[[routes]]\nevent_type = \"*\"\ndestination = \"https://a.example.com/\"\n",
+            toml_string(token)
+        ))
+    }
+
+    fn toml_string(s: &str) -> String {
+        serde_json::to_string(s).unwrap()
+    }
+
+    #[test]
+    fn a_token_read_from_a_file_is_trimmed() {
+        let c = with_token("  secret-token\n").unwrap();
+        assert_eq!(c.qstash.token, "secret-token");
+        // And it is sent whole, not as a bare `Bearer`.
+        let sink = crate::sink::qstash::QstashSink::new(&c.qstash, &c.http);
+        let request = sink.batch_request(&[]);
+        assert_eq!(
+            request.headers()["authorization"].to_str().unwrap(),
+            "Bearer secret-token"
+        );
+    }
+
+    #[test]
+    fn a_token_with_an_inner_control_character_stops_the_relay_naming_the_key() {
+        for bad in ["first\nsecond", "tab\there", "nul\0", "späce", "two words"] {
+            let e = with_token(bad).unwrap_err().to_string();
+            assert!(e.contains("qstash.token"), "{bad:?}: {e}");
+            assert!(!e.contains(bad), "the error must not print the secret: {e}");
+        }
+    }
+
+    #[test]
+    fn a_relay_without_routes_is_refused_with_how_to_add_one() {
+        let c = Config::from_toml_str("[qstash]\ntoken = \"t\"\n").unwrap();
+        let e = c.validate_for_relay().unwrap_err().to_string();
+        assert!(e.contains("`routes`"), "{e}");
+        assert!(e.contains("[[routes]]"), "{e}");
+    }
+
+    #[test]
+    fn route_urls_take_environment_variables() {
+        std::env::set_var("OUTBOXTEST_DEST_Q7", "https://hooks.example.com/in");
+        let c = Config::from_toml_str(
+            "[qstash]\ntoken = \"t\"\n[[routes]]\nevent_type = \"*\"\ndestination = \"${OUTBOXTEST_DEST_Q7}/{event_type}\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.routes[0].destination,
+            "https://hooks.example.com/in/{event_type}"
+        );
+        let e = Config::from_toml_str(
+            "[qstash]\ntoken = \"t\"\n[[routes]]\nevent_type = \"*\"\ndestination = \"${OUTBOXTEST_UNSET_Q7}\"\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("routes[0].destination"), "{e}");
+        assert!(e.contains("OUTBOXTEST_UNSET_Q7"), "{e}");
     }
 }

@@ -153,21 +153,32 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
-                println!(
-                    "published {}, retried {}, dead-lettered {} in {:.1}s{}",
-                    report.counters.published,
-                    report.counters.retried,
-                    report.counters.dead_lettered,
-                    report.elapsed_secs,
-                    if report.timed_out {
-                        format!(
-                            "; stopped at --max-duration with {} still pending",
-                            report.remaining
-                        )
-                    } else {
-                        String::new()
-                    }
+                let c = &report.counters;
+                let mut line = format!(
+                    "published {}, retried {}, dead-lettered {} in {:.1}s",
+                    c.published, c.retried, c.dead_lettered, report.elapsed_secs
                 );
+                if c.deferred > 0 {
+                    line += &format!("; {} put back while their route was paused", c.deferred);
+                }
+                if report.remaining > 0 {
+                    let why = if report.gave_up {
+                        "the relay gave up"
+                    } else if report.timed_out {
+                        "stopped at --max-duration"
+                    } else {
+                        "scheduled for later"
+                    };
+                    line += &format!("; {} still pending ({why})", report.remaining);
+                    if let Some(next) = report.next_due {
+                        line += &format!(", the next due at {}", next.to_rfc3339());
+                    }
+                }
+                println!("{line}");
+            }
+            if report.gave_up {
+                eprintln!("drain failed: the relay's actors kept crashing and it gave up (relay.max_restarts); see the log");
+                return Ok(ExitCode::FAILURE);
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -181,6 +192,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         }
         Command::CheckConfig { config } => {
             let config = Config::load(config.as_deref())?;
+            config.validate_for_relay()?;
             println!("{}", serde_json::to_string_pretty(&config.redacted())?);
             Ok(ExitCode::SUCCESS)
         }

@@ -21,6 +21,10 @@ pub const ACTOR_RESTARTS: &str = names::ACTOR_RESTARTS_TOTAL;
 pub const MARKS_FENCED: &str = names::MARKS_FENCED_TOTAL;
 pub const SHARD_HANDOVERS: &str = names::SHARD_HANDOVERS_TOTAL;
 pub const SHARDS_OWNED: &str = names::SHARDS_OWNED;
+pub const DEFERRED: &str = names::EVENTS_DEFERRED_TOTAL;
+pub const ROUTE_PAUSES: &str = names::ROUTE_PAUSES_TOTAL;
+pub const ROUTE_PAUSED: &str = names::ROUTE_PAUSED;
+pub const MARKS_FAILED: &str = names::MARKS_FAILED_TOTAL;
 pub const IN_FLIGHT: &str = names::IN_FLIGHT;
 pub const PUBLISH_DURATION: &str = names::PUBLISH_DURATION_SECONDS;
 pub const BATCH_SIZE: &str = names::BATCH_SIZE;
@@ -61,6 +65,22 @@ fn describe() {
     describe_counter!(
         SHARD_HANDOVERS,
         "Shard leases this replica acquired, released (handed over) or lost, by kind"
+    );
+    describe_counter!(
+        DEFERRED,
+        "Rows put back without spending an attempt because their route was paused"
+    );
+    describe_counter!(
+        ROUTE_PAUSES,
+        "Times a route paused because its sink failed every request, by cause"
+    );
+    describe_counter!(
+        MARKS_FAILED,
+        "Outcomes the database refused to store; the rows are delivered again"
+    );
+    describe_gauge!(
+        ROUTE_PAUSED,
+        "1 while the route is paused by its circuit breaker"
     );
     describe_gauge!(IN_FLIGHT, "Rows claimed and not yet marked");
     describe_gauge!(SHARDS_OWNED, "Shards this replica holds a lease on");

@@ -16,6 +16,7 @@ use crate::backoff::Backoff;
 use crate::config::Config;
 use crate::db;
 use crate::routes::Router;
+use crate::sink::breaker::Breakers;
 use crate::sink::{qstash::QstashSink, HttpClient, Sinks};
 
 #[derive(Debug, thiserror::Error)]
@@ -55,9 +56,15 @@ pub struct Relay {
 pub struct DrainReport {
     pub counters: CountersSnapshot,
     pub elapsed_secs: f64,
-    /// Rows still pending when it stopped (non-zero only after `max_duration`).
+    /// Rows still pending when it stopped: those scheduled for later (by
+    /// their producer, or a retry further off than `relay.backoff_cap`),
+    /// plus any left by a timeout or a relay that gave up.
     pub remaining: i64,
+    /// The earliest time a remaining row becomes due.
+    pub next_due: Option<chrono::DateTime<chrono::Utc>>,
     pub timed_out: bool,
+    /// The actor tree gave up (restart budget exhausted): `drain` fails.
+    pub gave_up: bool,
 }
 
 impl Relay {
@@ -68,7 +75,7 @@ impl Relay {
     /// Like [`Relay::start`] with fault injection (tests of the recovery path).
     pub async fn start_with_hooks(config: Config, hooks: Hooks) -> Result<Relay, RelayError> {
         config
-            .validate()
+            .validate_for_relay()
             .map_err(|e| RelayError::Config(e.to_string()))?;
         let pool = db::pool(
             &config.database.url,
@@ -81,8 +88,12 @@ impl Relay {
         let shared = Arc::new(Shared {
             sinks: Sinks {
                 client,
-                qstash: QstashSink::new(&config.qstash),
+                qstash: QstashSink::new(&config.qstash, &config.http),
                 max_message_bytes: config.http.max_message_bytes,
+                breakers: Breakers::new(
+                    router.routes().iter().map(|r| r.name.clone()),
+                    config.http.request_timeout,
+                ),
             },
             backoff: Backoff {
                 base: config.relay.backoff_base,
@@ -190,46 +201,80 @@ impl Relay {
         report
     }
 
-    /// Runs until no row is pending (or `max_duration` passes), then stops
+    /// Runs until no row is due (or `max_duration` passes), then stops
     /// gracefully. For cron-style deployments.
     pub async fn drain(
         config: Config,
         max_duration: Option<Duration>,
     ) -> Result<DrainReport, RelayError> {
         let started = Instant::now();
-        let poll = config.relay.poll_interval.min(Duration::from_millis(200));
-        let relay = Relay::start(config).await?;
-        let client = relay.shared.pool.get().await.map_err(db::DbError::from)?;
-        let (remaining, timed_out) = loop {
+        Relay::start(config)
+            .await?
+            .drain_started(max_duration, started)
+            .await
+    }
+
+    /// Runs this relay until nothing is due, then stops it gracefully. Rows
+    /// scheduled for later do not hold it up: a row whose producer set a
+    /// future `available_at`, or whose retry is due further off than
+    /// `relay.backoff_cap`, is left for the next run and reported.
+    pub async fn drain_started(
+        self,
+        max_duration: Option<Duration>,
+        started: Instant,
+    ) -> Result<DrainReport, RelayError> {
+        let poll = self
+            .shared
+            .config
+            .relay
+            .poll_interval
+            .min(Duration::from_millis(200));
+        let horizon_ms = self.shared.config.relay.backoff_cap.as_millis() as i64;
+        let client = self.shared.pool.get().await.map_err(db::DbError::from)?;
+        let mut timed_out = false;
+        let mut gave_up = false;
+        let (remaining, next_due) = loop {
             tokio::time::sleep(poll).await;
-            let pending: i64 = client
-                .query_one(PENDING_COUNT_SQL, &[])
+            let row = client
+                .query_one(DRAIN_STATE_SQL, &[&horizon_ms])
                 .await
-                .map_err(db::DbError::from)?
-                .get(0);
-            if pending == 0 && relay.in_flight() == 0 {
-                break (0, false);
+                .map_err(db::DbError::from)?;
+            let (due, pending): (i64, i64) = (row.get(0), row.get(1));
+            let next_due = row.get(2);
+            if due == 0 && self.in_flight() == 0 {
+                break (pending, next_due);
             }
             if max_duration.is_some_and(|d| started.elapsed() >= d) {
-                break (pending, true);
+                timed_out = true;
+                break (pending, next_due);
             }
-            if !relay.is_running() {
-                break (pending, false);
+            if !self.is_running() {
+                gave_up = true;
+                break (pending, next_due);
             }
         };
         drop(client);
-        let report = relay.shutdown().await;
+        let report = self.shutdown().await;
         Ok(DrainReport {
             counters: report.counters,
             elapsed_secs: started.elapsed().as_secs_f64(),
             remaining,
+            next_due,
             timed_out,
+            gave_up,
         })
     }
 }
 
-const PENDING_COUNT_SQL: &str =
-    "SELECT count(*) FROM outbox WHERE published_at IS NULL AND dead_lettered_at IS NULL";
+/// Pending rows that are due (a retry counts as due when it comes within
+/// `$1` ms), all pending rows, and the earliest future `available_at`.
+const DRAIN_STATE_SQL: &str = "SELECT
+    count(*) FILTER (WHERE available_at <= now()
+        + CASE WHEN attempt_count > 0 THEN $1::int8 * interval '1 millisecond'
+               ELSE interval '0' END),
+    count(*),
+    min(available_at) FILTER (WHERE available_at > now())
+FROM outbox WHERE published_at IS NULL AND dead_lettered_at IS NULL";
 
 /// The number of shards the database hashes rows into.
 pub const SHARDS_SQL: &str = "SELECT shards FROM outbox_relay_settings";

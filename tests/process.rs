@@ -154,3 +154,111 @@ async fn drain_runs_until_the_backlog_is_empty_and_reports() {
     assert_eq!(report["remaining"], 0);
     assert_eq!(pending(&db).await, 0);
 }
+
+/// README's "Use it with your database", as a new user follows it: the
+/// shipped config, the well-known variables, an outbox filled with plain
+/// INSERTs of the original table's columns. Every event must arrive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readme_steps_with_the_shipped_config_deliver_every_event() {
+    let db = TestDb::new().await.unwrap();
+    let sink = TestSink::start(TOKEN).await;
+    let client = db.client().await.unwrap();
+    client
+        .batch_execute(
+            "INSERT INTO outbox (tenant_id, aggregate_type, aggregate_id, event_type, payload, headers, idempotency_key)
+             SELECT gen_random_uuid(), 'order', 'o-' || (i % 50), 'order.placed',
+                    jsonb_build_object('n', i), '{}'::jsonb, 'readme-' || i
+             FROM generate_series(1, 500) AS i
+             ON CONFLICT (idempotency_key) DO NOTHING",
+        )
+        .await
+        .unwrap();
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/config/relay.toml");
+    let run = |args: &[&str]| {
+        std::process::Command::new(common::process::BIN)
+            .args(args)
+            .env("DATABASE_URL", &db.url)
+            .env("QSTASH_URL", sink.url())
+            .env("QSTASH_TOKEN", format!("{TOKEN}\n")) // as read from a secret file
+            .env(
+                "OUTBOX_DESTINATION_URL",
+                "https://api.example.com/events/{event_type}",
+            )
+            .env("OUTBOX_RELAY_SERVER__METRICS_BIND", "127.0.0.1:0")
+            .env("OUTBOX_RELAY_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .unwrap()
+    };
+    assert!(run(&["migrate"]).wait().unwrap().success());
+    let mut relay = run(&["run", "--config", config]);
+    let delivered = wait_until(Duration::from_secs(60), || async {
+        count(
+            &db,
+            "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL",
+        )
+        .await
+            == 500
+    })
+    .await;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(relay.id() as i32),
+        Signal::SIGTERM,
+    )
+    .unwrap();
+    assert!(relay.wait().unwrap().success());
+    assert!(
+        delivered,
+        "{} published, {} dead-lettered (e.g. {:?})",
+        count(
+            &db,
+            "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL"
+        )
+        .await,
+        count(
+            &db,
+            "SELECT count(*) FROM outbox WHERE dead_lettered_at IS NOT NULL"
+        )
+        .await,
+        db.client()
+            .await
+            .unwrap()
+            .query_opt(
+                "SELECT last_error FROM outbox WHERE dead_lettered_at IS NOT NULL LIMIT 1",
+                &[]
+            )
+            .await
+            .unwrap()
+            .map(|r| r.get::<_, Option<String>>(0))
+    );
+    let destinations: HashSet<String> =
+        sink.accepted().into_iter().map(|r| r.destination).collect();
+    assert_eq!(
+        destinations,
+        HashSet::from(["https://api.example.com/events/order.placed".to_owned()])
+    );
+}
+
+#[test]
+fn run_without_a_route_stops_at_start_saying_how_to_add_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("relay.toml");
+    std::fs::write(
+        &path,
+        "[database]\nurl = \"postgres://postgres@127.0.0.1:1/x\"\n[qstash]\ntoken = \"t\"\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(common::process::BIN)
+        .args(["run", "--config"])
+        .arg(&path)
+        .env("OUTBOX_RELAY_SERVER__METRICS_BIND", "127.0.0.1:0")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("`routes`") && stderr.contains("[[routes]]"),
+        "{stderr}"
+    );
+}

@@ -356,6 +356,12 @@ fn claim_later(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerState, after: D
 
 async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerState) {
     let shared = Arc::clone(&state.shared);
+    let now = std::time::Instant::now();
+    if let Some(until) = shared.sinks.breakers.all_paused_until(now) {
+        // Every route is paused: rows claimed now would only be put back.
+        claim_later(myself, state, until - now);
+        return;
+    }
     let batch = shared.config.relay.claim_batch as usize;
     let Some(mut permit) = take_permits(&shared, batch).await else {
         // Publishers are full: look again shortly (not a busy loop: we waited).

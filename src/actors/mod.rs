@@ -85,6 +85,7 @@ pub struct Counters {
     pub retried: AtomicU64,
     pub dead_lettered: AtomicU64,
     pub fenced: AtomicU64,
+    pub deferred: AtomicU64,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -94,6 +95,8 @@ pub struct CountersSnapshot {
     pub retried: u64,
     pub dead_lettered: u64,
     pub fenced: u64,
+    /// Rows put back unattempted while their route was paused.
+    pub deferred: u64,
 }
 
 impl Counters {
@@ -104,6 +107,7 @@ impl Counters {
             retried: self.retried.load(Ordering::Relaxed),
             dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
             fenced: self.fenced.load(Ordering::Relaxed),
+            deferred: self.deferred.load(Ordering::Relaxed),
         }
     }
 }
@@ -193,6 +197,18 @@ impl Lease {
             expires,
             _permit: permit,
             in_flight: Arc::clone(in_flight),
+        }
+    }
+}
+
+impl Lease {
+    /// What fences this row's mark.
+    pub fn held(&self) -> Held {
+        Held {
+            id: self.id,
+            attempt: self.attempt,
+            shard: self.shard,
+            token: self.token,
         }
     }
 }
@@ -297,8 +313,15 @@ pub enum Mark {
         reason: DeadReason,
         error: String,
     },
-    /// Not attempted after all (shutdown): the lease is given back.
+    /// Not attempted after all (shutdown, a lease too short to send): the
+    /// lease is given back and the attempt not counted.
     Release,
+    /// Not attempted, or failed because of the sink rather than the event:
+    /// the route is paused. Back after `delay`, the attempt not counted.
+    Defer {
+        delay: Duration,
+        error: String,
+    },
 }
 
 /// A row's outcome on its way to the marker.

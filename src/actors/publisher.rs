@@ -3,6 +3,7 @@
 //! published, retry after a jittered backoff, or dead.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
@@ -10,7 +11,8 @@ use super::claimer::send_to_marker;
 use super::{Lease, Mark, Marked, Shared};
 use crate::metrics as m;
 use crate::row::OutboxRow;
-use crate::sink::{DeadReason, Outcome};
+use crate::sink::breaker::{self, Admit};
+use crate::sink::{DeadReason, Outcome, RetryReason};
 
 #[derive(Debug)]
 pub enum PublisherMsg {
@@ -73,15 +75,27 @@ impl Actor for Publisher {
             return Ok(());
         }
         let route = &shared.router.routes()[route];
-        let outcomes = shared.sinks.deliver(route, &rows).await;
+        let breaker = shared.sinks.breakers.route(route.index);
+        let (outcomes, paused) = match breaker.admit(Instant::now()) {
+            Admit::Send => {
+                let outcomes = shared.sinks.deliver(route, &rows).await;
+                let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+                let paused = breaker.record(breaker::health(&outcomes), &ids, Instant::now());
+                (Some(outcomes), paused)
+            }
+            Admit::Paused { until, error } => (None, Some((until, error))),
+        };
+        let mut outcomes = outcomes.map(Vec::into_iter);
         let marked = rows
             .iter()
             .zip(leases)
-            .zip(outcomes)
-            .map(|((row, lease), outcome)| Marked {
-                mark: decide(&shared, row, &lease, outcome, &mut state.rng),
-                route: Some(route.index),
-                lease,
+            .map(|(row, lease)| {
+                let outcome = outcomes.as_mut().and_then(Iterator::next);
+                Marked {
+                    mark: decide(&shared, row, &lease, outcome, &paused, &mut state.rng),
+                    route: Some(route.index),
+                    lease,
+                }
             })
             .collect();
         send_to_marker(&shared, marked);
@@ -122,20 +136,60 @@ fn drop_expired(
             rows = dropped.len() - lost_shard,
             "rows waited for a publisher longer than their lease; skipped (raise relay.lease or lower relay.max_in_flight)"
         );
+        // Not attempted: give the leases back so the claim does not count as
+        // an attempt (a newer claim's lease is left alone by the fence).
+        let released: Vec<Marked> = dropped
+            .into_iter()
+            .filter(|(_, l)| ownership.holds(l.shard, l.token))
+            .map(|(_, lease)| Marked {
+                lease,
+                mark: Mark::Release,
+                route: None,
+            })
+            .collect();
+        send_to_marker(shared, released);
     }
     kept.into_iter().unzip()
 }
 
 /// Turns a sink's outcome into what the marker writes: a retry on the last
-/// allowed attempt dead-letters instead. (Counting happens in the marker,
-/// for the rows whose mark the database took.)
+/// allowed attempt dead-letters instead; while the route is paused (`paused`:
+/// until when, and why) a row that was not sent, or failed with the sink
+/// rather than for itself, is deferred without counting the attempt.
+/// (Counting happens in the marker, for the rows whose mark the database took.)
 fn decide(
     shared: &Shared,
     row: &OutboxRow,
     lease: &Lease,
-    outcome: Outcome,
+    outcome: Option<Outcome>,
+    paused: &Option<(Instant, String)>,
     rng: &mut impl rand::Rng,
 ) -> Mark {
+    let outcome = match (outcome, paused) {
+        (Some(o @ (Outcome::Published | Outcome::Dead { .. })), _) => o,
+        (
+            Some(
+                o @ Outcome::Retry {
+                    reason: RetryReason::BatchElement,
+                    ..
+                },
+            ),
+            _,
+        ) => o,
+        (Some(o), None) => o,
+        (_, Some((until, error))) => {
+            // Spread the rows over a tenth of the pause, so they do not all
+            // come back in one burst.
+            let wait = until.saturating_duration_since(Instant::now());
+            let spread = rng.random_range(0..=(wait.as_millis() as u64 / 10).max(1));
+            return Mark::Defer {
+                delay: wait + Duration::from_millis(spread),
+                error: error.clone(),
+            };
+        }
+        // Not sent and not paused: cannot happen; give the lease back.
+        (None, None) => return Mark::Release,
+    };
     match outcome {
         Outcome::Published => {
             if let Ok(age) = (chrono::Utc::now() - row.created_at).to_std() {

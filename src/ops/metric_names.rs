@@ -11,6 +11,9 @@ pub const METRIC_NAMES: &[&str] = &[
     ACTOR_RESTARTS_TOTAL,
     MARKS_FENCED_TOTAL,
     SHARD_HANDOVERS_TOTAL,
+    EVENTS_DEFERRED_TOTAL,
+    ROUTE_PAUSES_TOTAL,
+    MARKS_FAILED_TOTAL,
     BACKLOG,
     OLDEST_PENDING_AGE_SECONDS,
     DEAD_LETTERS,
@@ -19,6 +22,7 @@ pub const METRIC_NAMES: &[&str] = &[
     OUTBOX_DEAD_TUPLES,
     IN_FLIGHT,
     SHARDS_OWNED,
+    ROUTE_PAUSED,
     PUBLISH_DURATION_SECONDS,
     BATCH_SIZE,
     COMMIT_TO_ACK_SECONDS,
@@ -44,6 +48,17 @@ pub const MARKS_FENCED_TOTAL: &str = "outbox_relay_marks_fenced_total";
 /// Counter, label `kind`: `acquired`, `released` (handed over, or given
 /// back on shutdown), `lost` (not renewed in time, or taken by another replica).
 pub const SHARD_HANDOVERS_TOTAL: &str = "outbox_relay_shard_handovers_total";
+/// Counter, label `route`: rows put back without spending an attempt because
+/// their route was paused.
+pub const EVENTS_DEFERRED_TOTAL: &str = "outbox_relay_events_deferred_total";
+/// Counter, labels `route`, `cause` (`unauthorized`, `rate_limited`,
+/// `connect`, `failing`): times a route's circuit breaker opened.
+pub const ROUTE_PAUSES_TOTAL: &str = "outbox_relay_route_pauses_total";
+/// Counter: outcomes the database refused to store (after isolating them one
+/// by one); the row stays pending and is delivered again.
+pub const MARKS_FAILED_TOTAL: &str = "outbox_relay_marks_failed_total";
+/// Gauge, label `route`: 1 while the route is paused by its circuit breaker.
+pub const ROUTE_PAUSED: &str = "outbox_relay_route_paused";
 /// Gauge: shards this replica holds a lease on.
 pub const SHARDS_OWNED: &str = "outbox_relay_shards_owned";
 /// Gauge: pending rows (not published, not dead-lettered).

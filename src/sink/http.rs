@@ -20,6 +20,8 @@ pub struct Response {
     pub status: StatusCode,
     pub headers: HeaderMap,
     pub body: Bytes,
+    /// The body was longer than the limit and was not read.
+    pub truncated: bool,
     pub elapsed: Duration,
 }
 
@@ -78,8 +80,16 @@ impl HttpClient {
 
     /// Sends a request and reads the whole answer within the request timeout.
     pub async fn send(&self, request: Request<Full<Bytes>>) -> Result<Response, TransportError> {
+        self.send_reading(request, self.max_response_bytes).await
+    }
+
+    /// Like [`HttpClient::send`], reading up to `limit` bytes of the answer.
+    pub async fn send_reading(
+        &self,
+        request: Request<Full<Bytes>>,
+        limit: usize,
+    ) -> Result<Response, TransportError> {
         let started = Instant::now();
-        let limit = self.max_response_bytes;
         let exchange = async {
             let response = self.client.request(request).await.map_err(|e| {
                 if e.is_connect() {
@@ -91,13 +101,16 @@ impl HttpClient {
             let (parts, body) = response.into_parts();
             // A long error page only feeds `last_error`: keep its start and drop
             // the rest, rather than failing the exchange.
-            let body = match Limited::new(body, limit).collect().await {
-                Ok(collected) => collected.to_bytes(),
+            let (body, truncated) = match Limited::new(body, limit).collect().await {
+                Ok(collected) => (collected.to_bytes(), false),
                 Err(e)
                     if e.downcast_ref::<http_body_util::LengthLimitError>()
                         .is_some() =>
                 {
-                    Bytes::from_static(b"(response body over the size limit)")
+                    (
+                        Bytes::from(format!("(response body over the {limit}-byte limit)")),
+                        true,
+                    )
                 }
                 Err(e) => return Err(TransportError::Body(e.to_string())),
             };
@@ -105,6 +118,7 @@ impl HttpClient {
                 status: parts.status,
                 headers: parts.headers,
                 body,
+                truncated,
                 elapsed: started.elapsed(),
             })
         };

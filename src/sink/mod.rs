@@ -2,6 +2,7 @@
 //! over one shared keep-alive hyper client. A sink turns rows into requests and
 //! answers into one [`Outcome`] per row; it never touches the database.
 
+pub mod breaker;
 pub mod http;
 pub mod qstash;
 pub mod webhook;
@@ -44,10 +45,15 @@ pub enum RetryReason {
     Connect,
     /// The connection broke or the answer could not be read.
     Network,
-    /// QStash refused our token (401/403): a configuration problem.
+    /// The sink refused our credentials (401/403): a configuration problem.
     Unauthorized,
     /// One message of a QStash batch came back with an error.
     BatchElement,
+    /// A 2xx whose body does not say, message by message, what was accepted.
+    UnreadableAnswer,
+    /// A 3xx: the route's URL points somewhere else (http → https, a moved
+    /// endpoint); requests are not followed, so it is a configuration problem.
+    Redirect,
 }
 
 impl RetryReason {
@@ -60,6 +66,8 @@ impl RetryReason {
             RetryReason::Network => "network",
             RetryReason::Unauthorized => "unauthorized",
             RetryReason::BatchElement => "batch_element",
+            RetryReason::UnreadableAnswer => "unreadable_answer",
+            RetryReason::Redirect => "redirect",
         }
     }
 }
@@ -80,6 +88,12 @@ pub enum DeadReason {
 }
 
 impl DeadReason {
+    /// The sink answered about this message (rather than the relay giving up
+    /// on it before sending).
+    pub fn reached_sink(&self) -> bool {
+        matches!(self, DeadReason::Rejected)
+    }
+
     pub fn as_str(&self) -> &'static str {
         match self {
             DeadReason::Rejected => "rejected",
@@ -94,12 +108,60 @@ impl DeadReason {
 /// Longest `last_error` we store.
 pub const MAX_ERROR_CHARS: usize = 2000;
 
-pub fn truncate(mut s: String, max_chars: usize) -> String {
-    if let Some((cut, _)) = s.char_indices().nth(max_chars) {
-        s.truncate(cut);
-        s.push('…');
+/// Bounds an error text to `max_chars` and makes it safe to store and read:
+/// control characters (NUL included, which PostgreSQL refuses in `text`)
+/// become spaces and runs of white space fold to one.
+pub fn truncate(s: String, max_chars: usize) -> String {
+    let mut out = String::with_capacity(s.len().min(max_chars * 4));
+    let mut chars = 0;
+    let mut space = false;
+    for c in s.chars() {
+        if chars == max_chars {
+            out.push('…');
+            break;
+        }
+        if c.is_control() || c.is_whitespace() {
+            if !space && !out.is_empty() {
+                out.push(' ');
+                chars += 1;
+            }
+            space = true;
+            continue;
+        }
+        space = false;
+        out.push(c);
+        chars += 1;
     }
-    s
+    if out.ends_with(' ') {
+        out.pop();
+    }
+    out
+}
+
+/// A response body as a readable, bounded text: the text itself when it is
+/// mostly text, else a line that says what it was (compressed or binary).
+pub fn body_text(body: &[u8], max_chars: usize) -> String {
+    // Enough bytes for `max_chars` characters of any width; the rest is never read.
+    let head = &body[..body.len().min(max_chars * 4)];
+    let text = String::from_utf8_lossy(head);
+    let odd = text
+        .chars()
+        .filter(|&c| c == char::REPLACEMENT_CHARACTER || (c.is_control() && !c.is_whitespace()))
+        .count();
+    let total = text.chars().count().max(1);
+    if odd * 10 > total {
+        let start: Vec<String> = body.iter().take(8).map(|b| format!("{b:02x}")).collect();
+        return format!(
+            "(binary body of {} bytes, starting {})",
+            body.len(),
+            start.join(" ")
+        );
+    }
+    let mut text = truncate(text.into_owned(), max_chars);
+    if body.len() > head.len() && !text.ends_with('…') {
+        text.push('…');
+    }
+    text
 }
 
 /// The usual reading of an HTTP answer.
@@ -108,28 +170,24 @@ pub fn classify(response: &Response) -> Outcome {
     if status.is_success() {
         return Outcome::Published;
     }
-    let error = truncate(
-        format!(
-            "HTTP {}: {}",
-            status.as_u16(),
-            String::from_utf8_lossy(&response.body).trim()
-        ),
-        MAX_ERROR_CHARS,
+    let error = format!(
+        "HTTP {}: {}",
+        status.as_u16(),
+        body_text(&response.body, MAX_ERROR_CHARS)
     );
     let reason = match status.as_u16() {
         408 => Some(RetryReason::Timeout),
         429 => Some(RetryReason::RateLimited),
+        // The destination refuses our credentials: a problem of the route
+        // (a revoked token, a rotated secret), not of the event.
+        401 | 403 => Some(RetryReason::Unauthorized),
+        300..=399 => Some(RetryReason::Redirect),
         _ if status.is_server_error() => Some(RetryReason::ServerError),
         _ => None,
     };
     if let Some(reason) = reason {
-        let after = response
-            .headers
-            .get(::http::header::RETRY_AFTER)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| parse_retry_after(v, SystemTime::now()));
         Outcome::Retry {
-            after,
+            after: wait_asked(&response.headers, SystemTime::now()),
             reason,
             error,
         }
@@ -139,6 +197,39 @@ pub fn classify(response: &Response) -> Outcome {
             error,
         }
     }
+}
+
+/// How long an answer asks us to wait: the longest of `Retry-After` and
+/// QStash's quota resets (`RateLimit-Reset` for the daily quota,
+/// `Burst-RateLimit-Reset` for the per-second one), capped at a day.
+pub fn wait_asked(headers: &::http::HeaderMap, now: SystemTime) -> Option<Duration> {
+    let value = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    let retry_after = value("retry-after").and_then(|v| parse_retry_after(v, now));
+    let resets = ["ratelimit-reset", "burst-ratelimit-reset"]
+        .into_iter()
+        .filter_map(|name| value(name).and_then(|v| parse_reset(v, now)));
+    retry_after.into_iter().chain(resets).max()
+}
+
+/// A rate-limit reset: a unix time in seconds (or milliseconds), or, when
+/// too small to be one, a number of seconds from now.
+pub fn parse_reset(value: &str, now: SystemTime) -> Option<Duration> {
+    let n: f64 = value.trim().parse().ok()?;
+    if !n.is_finite() || n < 0.0 {
+        return None;
+    }
+    let since_epoch = now
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .ok()?
+        .as_secs_f64();
+    let secs = if n >= 1e12 {
+        n / 1000.0 - since_epoch
+    } else if n >= 1e9 {
+        n - since_epoch
+    } else {
+        n
+    };
+    Some(Duration::from_secs_f64(secs.max(0.0)).min(crate::backoff::MAX_RETRY_AFTER))
 }
 
 pub fn transport_outcome(e: &TransportError) -> Outcome {
@@ -184,12 +275,12 @@ pub fn destination(route: &Route, row: &OutboxRow) -> Result<String, Outcome> {
     }
 }
 
-/// Every sink the routes use, sharing one client.
-#[derive(Clone)]
+/// Every sink the routes use, sharing one client, with a circuit breaker per route.
 pub struct Sinks {
     pub client: HttpClient,
     pub qstash: qstash::QstashSink,
     pub max_message_bytes: usize,
+    pub breakers: breaker::Breakers,
 }
 
 impl Sinks {

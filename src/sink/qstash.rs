@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use super::http::HttpClient;
 use super::{classify, transport_outcome, DeadReason, Outcome, RetryReason, MAX_ERROR_CHARS};
-use crate::config::{PublishMode, QstashConfig};
+use crate::config::{HttpConfig, PublishMode, QstashConfig};
 use crate::metrics;
 use crate::routes::Route;
 use crate::row::OutboxRow;
@@ -49,18 +49,41 @@ pub struct QstashSink {
     authorization: HeaderValue,
     mode: PublishMode,
     batch_size: usize,
+    /// How much of a batch answer is read: enough for one answer per message.
+    batch_answer_bytes: usize,
 }
 
+/// Room for one message's answer in a batch answer (a message id, or a URL
+/// group's list of them, is about a hundred bytes).
+pub const ANSWER_BYTES_PER_MESSAGE: usize = 1024;
+
+/// Headers that carry the relay's own guarantees: a row cannot set them.
+const RELAY_HEADERS: &[&str] = &[
+    "upstash-deduplication-id",
+    "upstash-content-based-deduplication",
+    "upstash-flow-control-key",
+    "upstash-flow-control-value",
+    "upstash-callback",
+    "upstash-failure-callback",
+    "upstash-forward-x-outbox-id",
+    "upstash-forward-x-event-id",
+];
+
 impl QstashSink {
-    pub fn new(config: &QstashConfig) -> QstashSink {
+    /// `config` is validated: the token is visible ASCII.
+    pub fn new(config: &QstashConfig, http: &HttpConfig) -> QstashSink {
         let mut authorization = HeaderValue::from_str(&format!("Bearer {}", config.token))
-            .unwrap_or_else(|_| HeaderValue::from_static("Bearer"));
+            .expect("qstash.token is validated to be visible ASCII");
         authorization.set_sensitive(true);
+        let batch_size = config.batch_size as usize;
         QstashSink {
             base: config.url.trim_end_matches('/').to_owned(),
             authorization,
             mode: config.mode,
-            batch_size: config.batch_size as usize,
+            batch_size,
+            batch_answer_bytes: http
+                .max_response_bytes
+                .max(batch_size * ANSWER_BYTES_PER_MESSAGE),
         }
     }
 
@@ -89,23 +112,30 @@ impl QstashSink {
             headers.push(("upstash-flow-control-key".into(), key));
             headers.push(("upstash-flow-control-value".into(), value));
         }
-        // The SDK forwards user headers with the `Upstash-Forward-` prefix,
-        // lower-cased, except content-type and upstash-* which pass as they are.
-        for (name, value) in &row.headers {
-            let lower = name.to_ascii_lowercase();
-            if lower.starts_with("content-type") || lower.starts_with("upstash-") {
-                if let Some(slot) = headers.iter_mut().find(|(k, _)| *k == lower) {
-                    slot.1 = value.clone();
-                } else {
-                    headers.push((lower, value.clone()));
-                }
-            } else {
-                headers.push((format!("upstash-forward-{lower}"), value.clone()));
-            }
-        }
         let id = row.id.to_string();
         headers.push(("upstash-forward-x-outbox-id".into(), id.clone()));
         headers.push(("upstash-forward-x-event-id".into(), id));
+        // The SDK forwards user headers with the `Upstash-Forward-` prefix,
+        // lower-cased, except content-type and upstash-* which pass as they
+        // are. A row's header replaces ours of the same name (content-type,
+        // delay, retries), except those the relay's guarantees rest on:
+        // deduplication, flow control, callbacks and the event id.
+        for (name, value) in &row.headers {
+            let lower = name.to_ascii_lowercase();
+            let name = if lower == "content-type" || lower.starts_with("upstash-") {
+                lower
+            } else {
+                format!("upstash-forward-{lower}")
+            };
+            if RELAY_HEADERS.contains(&name.as_str()) {
+                tracing::debug!(id = row.id, header = %name, "row header ignored: the relay sets it");
+                continue;
+            }
+            match headers.iter_mut().find(|(k, _)| *k == name) {
+                Some(slot) => slot.1 = value.clone(),
+                None => headers.push((name, value.clone())),
+            }
+        }
         Ok(Message {
             destination,
             headers,
@@ -199,7 +229,10 @@ impl QstashSink {
             let result = client.send(request).await;
             metrics::record_request("qstash_publish", &result);
             match result {
-                Ok(response) => classify_qstash(&response),
+                Ok(response) => match classify_qstash(&response) {
+                    Outcome::Published => publish_outcome(&response),
+                    other => other,
+                },
                 Err(e) => transport_outcome(&e),
             }
         }))
@@ -207,13 +240,22 @@ impl QstashSink {
     }
 
     async fn send_batch(&self, client: &HttpClient, messages: &[Message]) -> Vec<Outcome> {
-        let result = client.send(self.batch_request(messages)).await;
+        let result = client
+            .send_reading(self.batch_request(messages), self.batch_answer_bytes)
+            .await;
         metrics::record_request("qstash_batch", &result);
         let response = match result {
             Ok(r) => r,
             Err(e) => return vec![transport_outcome(&e); messages.len()],
         };
         match classify_qstash(&response) {
+            Outcome::Published if response.truncated => vec![
+                unreadable(format!(
+                    "the batch answer is longer than {} bytes",
+                    self.batch_answer_bytes
+                ));
+                messages.len()
+            ],
             Outcome::Published => batch_outcomes(&response.body, messages.len()),
             dead @ Outcome::Dead { .. } if messages.len() == 1 => vec![dead],
             // One bad message must not dead-letter the others with it: send
@@ -225,18 +267,35 @@ impl QstashSink {
 }
 
 /// QStash's own 401 and 403 mean our token is wrong or lacks rights: no fault
-/// of the event, so it is retried (and alerts fire on the retries) rather than
-/// the whole backlog being dead-lettered by a configuration slip.
+/// of the event, so the route pauses (and alerts fire) rather than the whole
+/// backlog being dead-lettered by a configuration slip.
 fn classify_qstash(response: &super::Response) -> Outcome {
     match classify(response) {
-        Outcome::Dead { error, .. } if matches!(response.status.as_u16(), 401 | 403) => {
-            Outcome::Retry {
-                after: None,
-                reason: RetryReason::Unauthorized,
-                error: format!("QStash refused the token: {error}"),
-            }
-        }
+        Outcome::Retry {
+            after,
+            reason: RetryReason::Unauthorized,
+            error,
+        } => Outcome::Retry {
+            after,
+            reason: RetryReason::Unauthorized,
+            error: format!("QStash refused the token: {error}"),
+        },
+        // Over a limit of the QStash plan (queues, parallelism): the account's
+        // problem, like a quota, not the event's.
+        Outcome::Dead { error, .. } if response.status.as_u16() == 412 => Outcome::Retry {
+            after: None,
+            reason: RetryReason::RateLimited,
+            error: format!("QStash plan limit: {error}"),
+        },
         other => other,
+    }
+}
+
+fn unreadable(error: String) -> Outcome {
+    Outcome::Retry {
+        after: None,
+        reason: RetryReason::UnreadableAnswer,
+        error,
     }
 }
 
@@ -267,24 +326,75 @@ fn flow_control(route: &Route, row: &OutboxRow) -> Option<(String, String)> {
     Some((key, parts.join(", ")))
 }
 
-/// Reads a 2xx batch answer: a JSON array in request order, each element a
-/// publish response (`messageId`), a URL-group array of them, or an
-/// `{"error": …}` that fails that message alone. An answer we cannot read was
-/// still a 2xx: QStash took the messages, so they count as published.
+/// Reads a 2xx batch answer: a JSON array in request order, one element per
+/// message: a publish answer (`{"messageId": …}`), a URL group's array of
+/// them, or an `{"error": …}` that fails that message alone. A message counts
+/// as published only when its own element says so; an answer that cannot be
+/// read, is of the wrong length or holds anything else is retried (under the
+/// same deduplication id, so nothing is published twice).
 pub fn batch_outcomes(body: &[u8], expected: usize) -> Vec<Outcome> {
-    let Ok(serde_json::Value::Array(items)) = serde_json::from_slice::<serde_json::Value>(body)
-    else {
-        return vec![Outcome::Published; expected];
+    let items = match serde_json::from_slice::<serde_json::Value>(body) {
+        Ok(serde_json::Value::Array(items)) if items.len() == expected => items,
+        Ok(serde_json::Value::Array(items)) => {
+            let error = format!(
+                "the batch answer has {} elements for {expected} messages",
+                items.len()
+            );
+            return vec![unreadable(error); expected];
+        }
+        _ => {
+            let error = format!(
+                "the batch answer is not a JSON array: {}",
+                super::body_text(body, 200)
+            );
+            return vec![unreadable(error); expected];
+        }
     };
-    (0..expected)
-        .map(|i| match items.get(i) {
-            Some(serde_json::Value::Object(obj)) => match obj.get("error") {
+    items.iter().map(element_outcome).collect()
+}
+
+/// A 2xx answer to `/v2/publish`: published only when it names the message.
+pub fn publish_outcome(response: &super::Response) -> Outcome {
+    if response.truncated {
+        return unreadable("the publish answer is over the size limit".into());
+    }
+    match serde_json::from_slice::<serde_json::Value>(&response.body) {
+        Ok(answer) => element_outcome(&answer),
+        Err(_) => unreadable(format!(
+            "the publish answer is not JSON: {}",
+            super::body_text(&response.body, 200)
+        )),
+    }
+}
+
+/// One message's answer.
+fn element_outcome(item: &serde_json::Value) -> Outcome {
+    use serde_json::Value;
+    let accepted = |v: &Value| {
+        v.get("messageId")
+            .and_then(Value::as_str)
+            .is_some_and(|id| !id.is_empty())
+            && v.get("error").is_none()
+    };
+    let error_of = |v: &Value| v.get("error").cloned();
+    match item {
+        Value::Object(_) if accepted(item) => Outcome::Published,
+        Value::Array(group) if !group.is_empty() && group.iter().all(accepted) => {
+            Outcome::Published
+        }
+        _ => {
+            let error = match item {
+                Value::Object(_) => error_of(item),
+                Value::Array(group) => group.iter().find_map(error_of),
+                _ => None,
+            };
+            match error {
                 Some(err) => Outcome::Retry {
                     after: None,
                     reason: RetryReason::BatchElement,
                     error: super::truncate(
                         format!(
-                            "qstash batch element: {}",
+                            "qstash: {}",
                             err.as_str()
                                 .map(str::to_owned)
                                 .unwrap_or_else(|| err.to_string())
@@ -292,11 +402,13 @@ pub fn batch_outcomes(body: &[u8], expected: usize) -> Vec<Outcome> {
                         MAX_ERROR_CHARS,
                     ),
                 },
-                None => Outcome::Published,
-            },
-            _ => Outcome::Published,
-        })
-        .collect()
+                None => unreadable(super::truncate(
+                    format!("qstash answered something that is not a publish answer: {item}"),
+                    MAX_ERROR_CHARS,
+                )),
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -312,6 +424,32 @@ mod tests {
             matches!(&outcomes[1], Outcome::Retry { error, .. } if error.contains("bad destination"))
         );
         assert_eq!(outcomes[2], Outcome::Published);
-        assert_eq!(batch_outcomes(b"not json", 2), vec![Outcome::Published; 2]);
+    }
+
+    fn unread(o: &Outcome) -> bool {
+        matches!(
+            o,
+            Outcome::Retry {
+                reason: RetryReason::UnreadableAnswer,
+                ..
+            }
+        )
+    }
+
+    #[test]
+    fn only_an_answer_that_names_each_message_publishes_it() {
+        assert!(batch_outcomes(b"not json", 2).iter().all(unread));
+        assert!(batch_outcomes(br#"[{"messageId":"a"}]"#, 2)
+            .iter()
+            .all(unread));
+        assert!(batch_outcomes(b"[1, null]", 2).iter().all(unread));
+        let mixed = batch_outcomes(
+            br#"[{}, {"messageId":""}, [], [{"messageId":"a"},{"error":"x"}]]"#,
+            4,
+        );
+        assert!(unread(&mixed[0]) && unread(&mixed[1]) && unread(&mixed[2]));
+        assert!(
+            matches!(&mixed[3], Outcome::Retry { reason: RetryReason::BatchElement, error, .. } if error.contains('x'))
+        );
     }
 }

@@ -111,28 +111,54 @@ pub fn request(
     let timestamp = chrono::Utc::now().timestamp();
     let method = Method::from_bytes(route.config.method.to_ascii_uppercase().as_bytes())
         .unwrap_or(Method::POST);
-    let mut builder = Request::builder().method(method).uri(&url);
-    // Application headers first, so ours cannot be overridden by them.
+    let id = row.id.to_string();
+    let mut request = Request::builder().method(method).uri(&url);
+    let headers = request.headers_mut().expect("a fresh builder");
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert(USER_AGENT, HeaderValue::from_static("outbox-relay"));
+    // A row's header replaces ours of the same name (content-type, user-agent)
+    // rather than adding a second one; the signature's headers, the event id
+    // and the connection's own headers (host, length, encoding) stay ours.
     for (name, value) in &row.headers {
-        if let (Ok(n), Ok(v)) = (
+        let (Ok(name), Ok(value)) = (
             HeaderName::from_bytes(name.as_bytes()),
             HeaderValue::from_str(value),
-        ) {
-            builder = builder.header(n, v);
+        ) else {
+            continue;
+        };
+        if relay_owned(&name) {
+            tracing::debug!(id = row.id, header = %name, "row header ignored: the relay sets it");
+            continue;
         }
+        headers.insert(name, value);
     }
-    let id = row.id.to_string();
-    builder
-        .header(CONTENT_TYPE, "application/json")
-        .header(USER_AGENT, "outbox-relay")
-        .header("webhook-id", row.idempotency_key.as_str())
-        .header("webhook-timestamp", timestamp.to_string())
-        .header(
+    let signed = [
+        ("webhook-id", row.idempotency_key.clone()),
+        ("webhook-timestamp", timestamp.to_string()),
+        (
             "webhook-signature",
             sign(key, &row.idempotency_key, timestamp, &body),
-        )
-        .header("x-outbox-id", id.as_str())
-        .header("x-event-id", id.as_str())
+        ),
+        ("x-outbox-id", id.clone()),
+        ("x-event-id", id),
+    ];
+    for (name, value) in signed {
+        match HeaderValue::from_str(&value) {
+            Ok(v) => {
+                headers.insert(name, v);
+            }
+            Err(e) => {
+                return Err(Outcome::Dead {
+                    reason: DeadReason::BadDestination,
+                    error: super::truncate(
+                        format!("cannot send header `{name}`: {e}"),
+                        super::MAX_ERROR_CHARS,
+                    ),
+                })
+            }
+        }
+    }
+    request
         .body(Full::new(Bytes::from(body)))
         .map_err(|e| Outcome::Dead {
             reason: DeadReason::BadDestination,
@@ -141,6 +167,27 @@ pub fn request(
                 super::MAX_ERROR_CHARS,
             ),
         })
+}
+
+/// Headers a row may not set on a webhook: the Standard Webhooks trio the
+/// signature covers, the event id, and what belongs to the connection.
+fn relay_owned(name: &HeaderName) -> bool {
+    let n = name.as_str();
+    n.starts_with("webhook-")
+        || matches!(
+            n,
+            "x-outbox-id"
+                | "x-event-id"
+                | "host"
+                | "content-length"
+                | "transfer-encoding"
+                | "connection"
+                | "keep-alive"
+                | "te"
+                | "trailer"
+                | "upgrade"
+                | "proxy-connection"
+        )
 }
 
 #[cfg(test)]

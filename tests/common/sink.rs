@@ -42,13 +42,57 @@ impl Received {
 pub enum Reply {
     Accept,
     Status(u16, Option<String>),
+    /// Any status, headers and body bytes (not accepted, whatever the status).
+    Raw(RawAnswer),
+}
+
+/// An answer exactly as given: status, headers, body bytes.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RawAnswer {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl RawAnswer {
+    pub fn new(status: u16, body: impl Into<Vec<u8>>) -> RawAnswer {
+        RawAnswer {
+            status,
+            headers: Vec::new(),
+            body: body.into(),
+        }
+    }
+
+    pub fn header(mut self, name: &str, value: impl Into<String>) -> RawAnswer {
+        self.headers.push((name.to_owned(), value.into()));
+        self
+    }
+
+    fn response(&self) -> Response {
+        let mut r = (
+            StatusCode::from_u16(self.status).unwrap(),
+            self.body.clone(),
+        )
+            .into_response();
+        for (k, v) in &self.headers {
+            r.headers_mut().insert(
+                axum::http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                v.parse().unwrap(),
+            );
+        }
+        r
+    }
 }
 
 type Rule = Box<dyn Fn(&Received) -> Reply + Send + Sync>;
+/// Answers a whole `/v2/batch` request: given the messages (judged one by one
+/// by the rule first), the answer, and which messages it counts as accepted.
+type BatchRule = Box<dyn Fn(&[Received]) -> Option<(RawAnswer, Vec<bool>)> + Send + Sync>;
 
 struct Inner {
     token: String,
     rule: Mutex<Rule>,
+    batch_rule: Mutex<Option<BatchRule>>,
     seen: Mutex<HashMap<String, u32>>,
     received: Mutex<Vec<Received>>,
     requests: Mutex<Vec<String>>,
@@ -63,9 +107,21 @@ pub struct TestSink {
 
 impl TestSink {
     pub async fn start(token: &str) -> TestSink {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Self::serve(token, listener)
+    }
+
+    /// A sink on a given address (a destination that comes back after being down).
+    pub async fn start_on(token: &str, addr: SocketAddr) -> TestSink {
+        let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
+        Self::serve(token, listener)
+    }
+
+    fn serve(token: &str, listener: tokio::net::TcpListener) -> TestSink {
         let inner = Arc::new(Inner {
             token: token.to_owned(),
             rule: Mutex::new(Box::new(|_| Reply::Accept)),
+            batch_rule: Mutex::new(None),
             seen: Mutex::new(HashMap::new()),
             received: Mutex::new(Vec::new()),
             requests: Mutex::new(Vec::new()),
@@ -76,7 +132,6 @@ impl TestSink {
             .route("/v2/publish/{*destination}", post(publish))
             .route("/hook/{*rest}", post(webhook))
             .with_state(Arc::clone(&inner));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move {
             axum::serve(listener, app).await.unwrap();
@@ -95,6 +150,14 @@ impl TestSink {
 
     pub fn set_rule(&self, rule: impl Fn(&Received) -> Reply + Send + Sync + 'static) {
         *self.inner.rule.lock().unwrap() = Box::new(rule);
+    }
+
+    /// Answer `/v2/batch` requests as this says (when it returns `Some`).
+    pub fn set_batch_rule(
+        &self,
+        rule: impl Fn(&[Received]) -> Option<(RawAnswer, Vec<bool>)> + Send + Sync + 'static,
+    ) {
+        *self.inner.batch_rule.lock().unwrap() = Some(Box::new(rule));
     }
 
     /// Every message answered, accepted or not, in arrival order.
@@ -203,6 +266,7 @@ async fn publish(
     match reply {
         Reply::Accept => (StatusCode::OK, "{\"messageId\":\"msg_test\"}").into_response(),
         Reply::Status(s, ra) => error_response(s, ra),
+        Reply::Raw(raw) => raw.response(),
     }
 }
 
@@ -242,12 +306,23 @@ async fn batch(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: Bytes)
         let dest = item["destination"].as_str().unwrap_or_default().to_owned();
         let body = item["body"].as_str().unwrap_or_default().to_owned();
         let (msg, reply) = judge(&inner, dedup, dest, h, body);
-        if let (Reply::Status(s, ra), None) = (&reply, &failure) {
-            failure = Some((*s, ra.clone()));
+        match (reply, &failure) {
+            (Reply::Status(s, ra), None) => failure = Some(error_response(s, ra)),
+            (Reply::Raw(raw), None) => failure = Some(raw.response()),
+            _ => {}
         }
         msgs.push(msg);
     }
     let n = msgs.len();
+    if let Some(rule) = &*inner.batch_rule.lock().unwrap() {
+        if let Some((answer, accepted)) = rule(&msgs) {
+            for (m, a) in msgs.iter_mut().zip(accepted) {
+                m.accepted = a;
+            }
+            record(&inner, msgs);
+            return answer.response();
+        }
+    }
     if failure.is_some() {
         for m in &mut msgs {
             m.accepted = false;
@@ -255,7 +330,7 @@ async fn batch(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: Bytes)
     }
     record(&inner, msgs);
     match failure {
-        Some((s, ra)) => error_response(s, ra),
+        Some(response) => response,
         None => {
             let answers = vec![serde_json::json!({"messageId": "msg_test"}); n];
             (StatusCode::OK, serde_json::to_string(&answers).unwrap()).into_response()
@@ -287,5 +362,6 @@ async fn webhook(
     match reply {
         Reply::Accept => StatusCode::NO_CONTENT.into_response(),
         Reply::Status(s, ra) => error_response(s, ra),
+        Reply::Raw(raw) => raw.response(),
     }
 }

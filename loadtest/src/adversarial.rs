@@ -10,15 +10,19 @@
 //!    unreadably (lost, cut off, garbled, wrong length, not an object,
 //!    oversized) does not count; its retry is answered as a duplicate, and
 //!    that answer does.
-//! 3. **Dead letters come from the message, never from an outage.** A row is
-//!    dead-lettered justly when the last answer the sink gave about it before
-//!    its `dead_lettered_at` was a rejection of that message itself
-//!    ([`AnswerKind::Rejected`]: a 4xx other than 401/403/408/429 to a request
-//!    carrying it alone, or an error element in its slot of a readable batch
-//!    answer), and no `refused` outage (which the sink cannot see requests
-//!    in) began between that answer and the dead letter. A row dead-lettered
-//!    after a sink-wide answer (5xx, 401, 403, 429, reset, hang, unreadable
-//!    answer) or after no answer at all breaks the invariant.
+//! 3. **Dead letters come from the message, never from an outage.** A
+//!    rejection of a message itself is [`AnswerKind::Rejected`]: a 4xx other
+//!    than 401/403/408/429 to a request carrying it alone, or an error element
+//!    in its slot of a readable batch answer. A row is dead-lettered justly
+//!    when, before its `dead_lettered_at`, either
+//!    (a) the sink's last answer about it was such a rejection, and no
+//!    `refused` outage (in which the sink sees no request) began since; or
+//!    (b) the sink rejected it for itself at least once, and it was
+//!    dead-lettered outside every outage and the second after it (attempts
+//!    used up by its own rejections mixed with random failures).
+//!    A row dead-lettered in an outage after a sink-wide answer (5xx, 401,
+//!    403, 429, reset, hang, unreadable answer) or a refused connection, or
+//!    one the sink never rejected for itself, breaks the invariant.
 //! 4. **Progress.** The count of settled rows (published + dead-lettered),
 //!    sampled every [`SAMPLE_EVERY`], never stays flat for a lease or longer
 //!    while rows are pending, outage time excepted: the clock of a stall
@@ -219,14 +223,10 @@ pub fn check(input: &CheckInput<'_>) -> AdversarialReport {
         if row.published {
             if !answers.iter().any(|a| a.kind == AnswerKind::Accepted) {
                 if r.published_unaccepted.len() < 10 {
-                    let seen: Vec<String> = answers
-                        .iter()
-                        .map(|a| format!("{:?} at {:.3} s", a.kind, secs(a.at_us)))
-                        .collect();
                     r.published_unaccepted_answers.push(format!(
                         "id {}: {}",
                         row.id,
-                        seen.join(", ")
+                        history(answers, &secs)
                     ));
                 }
                 r.published_unaccepted.push(row.id);
@@ -292,6 +292,9 @@ fn reason(last_error: Option<&str>) -> String {
     head.chars().take(60).collect()
 }
 
+/// A dead letter this soon after an outage's end still counts as in it.
+const OUTAGE_GRACE_US: i64 = 1_000_000;
+
 /// Rule 3 of the module doc.
 fn justify(
     dead_at: Option<i64>,
@@ -302,27 +305,64 @@ fn justify(
     let Some(dead_at) = dead_at else {
         return Err("no dead_lettered_at".into());
     };
-    let Some(last) = answers.iter().rev().find(|a| a.at_us <= dead_at) else {
+    let before: Vec<&AnswerEvent> = answers
+        .iter()
+        .copied()
+        .filter(|a| a.at_us <= dead_at)
+        .collect();
+    let Some(last) = before.last() else {
         return Err("the sink never answered about it before it was dead-lettered".into());
     };
-    if !last.kind.is_rejection() {
-        return Err(format!(
-            "the sink's last answer about it ({:.3} s) was {:?}, not a rejection of the message",
-            secs(last.at_us),
-            last.kind
-        ));
+    let history = || history(&before, secs);
+    if last.kind.is_rejection() {
+        if let Some(o) = outages.iter().find(|o| {
+            o.kind == OutageKind::Refused && o.start_us > last.at_us && o.start_us <= dead_at
+        }) {
+            return Err(format!(
+                "connections were refused from {:.3} s, after the sink's last rejection of it; {}",
+                secs(o.start_us),
+                history()
+            ));
+        }
+        return Ok(());
     }
     if let Some(o) = outages
         .iter()
-        .find(|o| o.kind == OutageKind::Refused && o.start_us > last.at_us && o.start_us <= dead_at)
+        .find(|o| o.start_us <= dead_at && dead_at <= o.end_us + OUTAGE_GRACE_US)
     {
         return Err(format!(
-            "connections were refused from {:.3} s, after the sink's last rejection of it ({:.3} s)",
+            "dead-lettered at {:.3} s, in the {} outage ({:.1}-{:.1} s); {}",
+            secs(dead_at),
+            o.kind.as_str(),
             secs(o.start_us),
-            secs(last.at_us)
+            secs(o.end_us),
+            history()
+        ));
+    }
+    if !before.iter().any(|a| a.kind.is_rejection()) {
+        return Err(format!(
+            "the sink never rejected the message itself; {}",
+            history()
         ));
     }
     Ok(())
+}
+
+/// The last few answers, for a failure message.
+fn history(answers: &[&AnswerEvent], secs: &dyn Fn(i64) -> f64) -> String {
+    let shown: Vec<String> = answers
+        .iter()
+        .rev()
+        .take(10)
+        .rev()
+        .map(|a| format!("{:?} at {:.3} s", a.kind, secs(a.at_us)))
+        .collect();
+    format!(
+        "the sink's answers about it ({} in all, the last {}): {}",
+        answers.len(),
+        shown.len(),
+        shown.join(", ")
+    )
 }
 
 /// `((start, length) of the longest stall, (start, length) of the longest
@@ -441,6 +481,8 @@ mod tests {
             row(5, false, true, Some("connect: refused")),
             row(6, false, false, None),
             row(7, false, true, Some(" ")),
+            row(8, false, true, Some("attempt 8 of 8 failed: HTTP 503")),
+            row(9, false, true, Some("attempt 8 of 8 failed: HTTP 503")),
         ];
         let answers = [
             ans(1, 1, AnswerKind::AcceptedUnread),
@@ -452,32 +494,58 @@ mod tests {
             ans(2, 4, AnswerKind::Failed { status: 503 }),
             ans(1, 5, AnswerKind::Rejected { status: 400 }),
             ans(1, 7, AnswerKind::Rejected { status: 400 }),
+            ans(1, 8, AnswerKind::Rejected { status: 400 }),
+            ans(11, 8, AnswerKind::Failed { status: 503 }),
+            ans(11, 9, AnswerKind::Failed { status: 503 }),
         ];
-        let dead = [(3, 3 * S), (4, 3 * S), (5, 9 * S), (7, 2 * S)];
-        let outages = [OutageWindow {
-            kind: OutageKind::Refused,
-            start_us: 5 * S,
-            end_us: 8 * S,
-        }];
+        let dead = [
+            (3, 3 * S),
+            (4, 3 * S),
+            (5, 9 * S),
+            (7, 2 * S),
+            (8, 12 * S),
+            (9, 12 * S),
+        ];
+        let outages = [
+            OutageWindow {
+                kind: OutageKind::ServerError,
+                start_us: 2 * S,
+                end_us: 5 * S / 2,
+            },
+            OutageWindow {
+                kind: OutageKind::Refused,
+                start_us: 5 * S,
+                end_us: 8 * S,
+            },
+        ];
         let samples = progress(&[(0, 0, 7), (1, 1, 6), (2, 6, 1)]);
         let r = check(&input(&rows, &dead, &answers, &outages, &samples));
         assert_eq!(r.published_unaccepted, vec![2]);
         assert_eq!(r.unsettled, vec![6]);
         assert_eq!(r.dead_without_reason, vec![7]);
-        assert_eq!(r.justified_dead_letters, vec![3, 7]);
+        // 8: its own rejections and random failures used its attempts up.
+        assert_eq!(r.justified_dead_letters, vec![3, 7, 8]);
         let unjust: Vec<i64> = r.unjustified_dead_letters.iter().map(|d| d.id).collect();
-        assert_eq!(unjust, vec![4, 5]);
-        assert!(r.unjustified_dead_letters[1].why.contains("refused"));
+        assert_eq!(unjust, vec![4, 5, 9]);
+        let why: Vec<&str> = r
+            .unjustified_dead_letters
+            .iter()
+            .map(|d| d.why.as_str())
+            .collect();
+        assert!(why[0].starts_with("dead-lettered at 3.000 s, in the server_error outage"));
+        assert!(why[1].starts_with("connections were refused from 5.000 s"));
+        assert!(why[2].starts_with("the sink never rejected the message itself"));
+        assert!(why[2].contains("Failed { status: 503 } at 11.000 s"));
         assert_eq!(r.dead_letter_reasons["HTTP 422"], 1);
-        assert_eq!(r.answers.rejected, 4);
+        assert_eq!(r.answers.rejected, 5);
         let f = r.failures().join("\n");
         assert!(f.contains("never answered as accepted: ids 2"), "{f}");
-        assert!(f.contains("id 2: AcceptedUnread at 1.000 s"), "{f}");
+        assert!(f.contains("id 2: the sink's answers about it (1 in all, the last 1): AcceptedUnread at 1.000 s"), "{f}");
         assert!(
             f.contains("neither published nor dead-lettered: ids 6"),
             "{f}"
         );
-        assert!(f.contains("id 4: the sink's last answer"), "{f}");
+        assert!(f.contains("id 4: dead-lettered at 3.000 s"), "{f}");
     }
 
     #[test]

@@ -94,7 +94,8 @@ pub struct AdversarialConfig {
     pub cut_off: f64,
     /// 2xx answers padded to `oversized_bytes` of valid JSON.
     pub oversized: f64,
-    /// Make it larger than the relay's `http.max_response_bytes`.
+    /// Make it larger than any answer the relay reads whole (its
+    /// `http.max_response_bytes`, and what it allows a batch answer).
     pub oversized_bytes: usize,
     /// Error answers (and element error texts) carrying NUL and invalid
     /// UTF-8 after the JSON.
@@ -113,7 +114,7 @@ impl Default for AdversarialConfig {
             garbled: 0.0,
             cut_off: 0.0,
             oversized: 0.0,
-            oversized_bytes: 256 * 1024,
+            oversized_bytes: 1024 * 1024,
             nul_bodies: 0.0,
             outages: Vec::new(),
         }

@@ -346,7 +346,18 @@ fn config_errors_name_their_key() {
 fn the_documented_example_config_is_valid_and_complete() {
     let example =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/config/relay.toml")).unwrap();
+    // The shipped catch-all route's destination comes from the environment.
+    std::env::set_var(
+        "OUTBOX_DESTINATION_URL",
+        "https://api.example.com/events/{event_type}",
+    );
+    // ... and a QStash route needs a token (QSTASH_TOKEN, in production).
+    let example = example.replacen("token = \"\"", "token = \"t\"", 1);
     let parsed = Config::from_toml_str(&example).unwrap();
+    assert_eq!(
+        parsed.routes[0].destination,
+        "https://api.example.com/events/{event_type}"
+    );
     // Every default is written out in the example (routes aside, which have none).
     let mut defaults = Config {
         routes: parsed.routes.clone(),
@@ -371,8 +382,16 @@ fn the_binary_stops_at_start_naming_the_bad_key() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("relay.publishers"), "{stderr}");
 
+    let dir = tempfile::tempdir().unwrap();
+    let with_route = dir.path().join("relay.toml");
+    std::fs::write(
+        &with_route,
+        "[[routes]]\nevent_type = \"*\"\ndestination = \"https://api.example.com/e\"\n",
+    )
+    .unwrap();
     let out = Command::new(BIN)
-        .args(["check-config"])
+        .args(["check-config", "--config"])
+        .arg(&with_route)
         .env("OUTBOX_RELAY_RELAY__SHARDS", "6")
         .env("QSTASH_TOKEN", "secret-token-value")
         .env("DATABASE_URL", "postgres://u:pw@db.example/x")

@@ -279,6 +279,8 @@ pub struct ClaimerState {
     ordered_patterns: Vec<String>,
     /// An ordered route takes every type (`*`): there is no plain claim to run.
     all_ordered: bool,
+    /// Which kind of claim gets an odd limit's extra row this time.
+    heads_first: bool,
     claim_queued: bool,
     idle_generation: u64,
     failures: u32,
@@ -306,6 +308,7 @@ impl Actor for Claimer {
             conn: None,
             ordered_patterns,
             all_ordered,
+            heads_first: false,
             claim_queued: true,
             idle_generation: 0,
             failures: 0,
@@ -401,17 +404,6 @@ async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerSt
         "claim batch"
     );
     let got = rows.len();
-    // Full: the next claim continues after this batch. Short: we reached the
-    // end of what is ready; start from the beginning next time, to pick up
-    // rows whose lease expired or whose retry came due.
-    state.cursor = match rows
-        .iter()
-        .map(|(r, available_at)| (*available_at, r.id))
-        .max()
-    {
-        Some(last) if got == wanted => last,
-        _ => no_cursor(),
-    };
     let rows: Vec<OutboxRow> = rows.into_iter().map(|(r, _)| r).collect();
     let mut leases = Vec::with_capacity(got);
     for row in &rows {
@@ -475,7 +467,44 @@ pub struct Connected {
     heads: Option<Statement>,
 }
 
-/// The claimed rows with their `available_at` (for the cursor), in id order.
+/// A key-head claim's parameters besides its limit.
+struct HeadsClaim<'a> {
+    statement: &'a Statement,
+    lease_ms: i64,
+    shard: i16,
+    patterns: &'a [String],
+    token: i64,
+}
+
+impl HeadsClaim<'_> {
+    /// Claims up to `limit` key heads, moving the key cursor on.
+    async fn run(
+        &self,
+        conn: &PooledConn,
+        limit: i64,
+        key_cursor: &mut String,
+    ) -> Result<Vec<tokio_postgres::Row>, ClaimError> {
+        let rows = conn
+            .query(
+                self.statement,
+                &[
+                    &limit,
+                    &self.lease_ms,
+                    &self.shard,
+                    &self.patterns,
+                    &*key_cursor,
+                    &self.token,
+                ],
+            )
+            .await?;
+        if let Some(next) = next_key_cursor(key_cursor, rows.iter().map(|r| r.get::<_, &str>(8))) {
+            *key_cursor = next;
+        }
+        Ok(rows)
+    }
+}
+
+/// The claimed rows with their `available_at`, in id order.
 async fn claim(
     state: &mut ClaimerState,
     limit: i64,
@@ -503,29 +532,29 @@ async fn claim(
     }
     let c = state.conn.as_ref().expect("connected above");
     let lease_ms = state.shared.config.relay.lease.as_millis() as i64;
+    // When both kinds run, each gets half of every claim, and what one leaves
+    // the other may take: a large ordered backlog never starves the
+    // unordered event types, nor the other way round.
+    // An odd limit's extra row goes to each kind in turn.
+    state.heads_first = !state.heads_first;
+    let heads_share = if c.plain.is_some() {
+        (limit + i64::from(state.heads_first)) / 2
+    } else {
+        limit
+    };
+    let heads = c.heads.as_ref().map(|statement| HeadsClaim {
+        statement,
+        lease_ms,
+        shard: state.shard,
+        patterns: &state.ordered_patterns,
+        token: state.token,
+    });
     let mut rows = Vec::new();
-    if let Some(heads) = &c.heads {
-        rows.extend(
-            c.conn
-                .query(
-                    heads,
-                    &[
-                        &limit,
-                        &lease_ms,
-                        &state.shard,
-                        &state.ordered_patterns,
-                        &state.key_cursor,
-                        &state.token,
-                    ],
-                )
-                .await?,
-        );
-        if let Some(next) =
-            next_key_cursor(&state.key_cursor, rows.iter().map(|r| r.get::<_, &str>(8)))
-        {
-            state.key_cursor = next;
-        }
+    if let (Some(h), true) = (&heads, heads_share > 0) {
+        rows.extend(h.run(&c.conn, heads_share, &mut state.key_cursor).await?);
     }
+    // Heads may want more than their share (none was asked, or all were taken).
+    let heads_want_more = heads.is_some() && rows.len() as i64 >= heads_share;
     let rest = limit - rows.len() as i64;
     if let (Some(plain), true) = (&c.plain, rest > 0) {
         let (after_available, after_id) = state.cursor;
@@ -536,7 +565,25 @@ async fn claim(
             params.push(&state.ordered_patterns);
         }
         params.push(&state.token);
-        rows.extend(c.conn.query(plain, &params).await?);
+        let plain_rows = c.conn.query(plain, &params).await?;
+        // The plain claim's cursor follows its own rows only (key heads are
+        // anywhere in the shard): full, the next claim goes on after them;
+        // short, it starts again from the beginning.
+        state.cursor = match plain_rows
+            .iter()
+            .map(|r| (r.get::<_, DateTime<Utc>>(11), r.get::<_, i64>(0)))
+            .max()
+        {
+            Some(last) if plain_rows.len() as i64 == rest => last,
+            _ => no_cursor(),
+        };
+        let short = (plain_rows.len() as i64) < rest;
+        rows.extend(plain_rows);
+        // The unordered types left room: give it to the ordered heads.
+        let room = limit - rows.len() as i64;
+        if let (true, true, Some(h)) = (short && room > 0, heads_want_more, &heads) {
+            rows.extend(h.run(&c.conn, room, &mut state.key_cursor).await?);
+        }
     }
     let mut out: Vec<(OutboxRow, DateTime<Utc>)> = rows
         .iter()

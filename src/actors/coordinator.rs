@@ -229,13 +229,7 @@ async fn round(
             .collect();
         for (shard, tenure) in held {
             if renewed.get(&shard) == Some(&tenure.token) {
-                shared.ownership.set(
-                    shard,
-                    Tenure {
-                        token: tenure.token,
-                        until: started + lease,
-                    },
-                );
+                shared.ownership.renew(shard, tenure.token, started + lease);
             } else {
                 lost(state, shard, tenure.token);
             }
@@ -280,13 +274,9 @@ async fn round(
             let shard: i16 = row.get(0);
             let token: i64 = row.get(1);
             let previous: Option<String> = row.get(2);
-            shared.ownership.set(
-                shard,
-                Tenure {
-                    token,
-                    until: started + lease,
-                },
-            );
+            shared
+                .ownership
+                .set(shard, Tenure::new(token, started + lease));
             counter!(m::SHARD_HANDOVERS, "kind" => "acquired").increment(1);
             tracing::info!(
                 shard,
@@ -345,9 +335,11 @@ fn lost(state: &mut CoordinatorState, shard: i16, token: i64) {
     });
 }
 
-/// Stops the shard's claimer, gives its rows in flight a moment, releases the
-/// rest, then tells the coordinator to give the lease back. Runs beside the
-/// coordinator, which keeps renewing the lease meanwhile.
+/// Stops the shard's claimer and its publishing, waits until none of its
+/// requests can still be open, releases what was not sent, then tells the
+/// coordinator to give the lease back. Runs beside the coordinator, which
+/// keeps renewing the lease meanwhile: the next owner can start a key's next
+/// event only after this replica's request for the previous one has ended.
 fn hand_over(myself: &ActorRef<CoordinatorMsg>, state: &mut CoordinatorState, shard: i16) {
     let Some(tenure) = state.shared.ownership.get(shard) else {
         return;
@@ -373,9 +365,17 @@ fn hand_over(myself: &ActorRef<CoordinatorMsg>, state: &mut CoordinatorState, sh
             // Its claims are refused once the lease is given back below.
             tracing::warn!(shard, "handover: the claimer did not confirm it stopped");
         }
-        let config = &shared.config.relay;
-        let deadline = Instant::now() + config.shutdown_grace.min(config.shard_lease / 2);
-        while !shared.in_flight.of_shard(shard).is_empty() && Instant::now() < deadline {
+        // Rows not yet sent are put back by the publishers; those being sent
+        // end within the request timeout, answered or cut off.
+        shared.ownership.stop_sending(Some(shard), Some(token));
+        let deadline = Instant::now() + super::requests_end_within(&shared.config);
+        while shared
+            .in_flight
+            .of_shard(shard)
+            .iter()
+            .any(|h| h.token == token)
+            && Instant::now() < deadline
+        {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         // From here no publisher starts a row of this tenure. (If the shard

@@ -239,16 +239,30 @@ pub struct Ownership {
 pub struct Tenure {
     pub token: i64,
     pub until: std::time::Instant,
+    /// False once the shard is on its way out (handover, shutdown): the lease
+    /// is still renewed, but no publisher starts a request for its rows.
+    pub sending: bool,
+}
+
+impl Tenure {
+    pub fn new(token: i64, until: std::time::Instant) -> Tenure {
+        Tenure {
+            token,
+            until,
+            sending: true,
+        }
+    }
 }
 
 impl Ownership {
-    /// Is `token` still this replica's tenure of `shard`, and not over?
+    /// May a request for a row of `shard` claimed under `token` start now:
+    /// is it still this replica's tenure, not over, and not on its way out?
     pub fn holds(&self, shard: i16, token: i64) -> bool {
         self.shards
             .lock()
             .expect("ownership lock")
             .get(&shard)
-            .is_some_and(|t| t.token == token && t.until > std::time::Instant::now())
+            .is_some_and(|t| t.token == token && t.sending && t.until > std::time::Instant::now())
     }
 
     pub fn set(&self, shard: i16, tenure: Tenure) {
@@ -256,6 +270,29 @@ impl Ownership {
             .lock()
             .expect("ownership lock")
             .insert(shard, tenure);
+    }
+
+    /// Extends the tenure under `token` (keeping whether it still sends).
+    pub fn renew(&self, shard: i16, token: i64, until: std::time::Instant) {
+        if let Some(t) = self
+            .shards
+            .lock()
+            .expect("ownership lock")
+            .get_mut(&shard)
+            .filter(|t| t.token == token)
+        {
+            t.until = until;
+        }
+    }
+
+    /// No request starts for the shard's rows from now on (it is being
+    /// handed over); `None` stops every shard (shutdown).
+    pub fn stop_sending(&self, shard: Option<i16>, token: Option<i64>) {
+        for (s, t) in self.shards.lock().expect("ownership lock").iter_mut() {
+            if shard.is_none_or(|x| x == *s) && token.is_none_or(|x| x == t.token) {
+                t.sending = false;
+            }
+        }
     }
 
     pub fn remove(&self, shard: i16) -> Option<Tenure> {
@@ -425,6 +462,12 @@ impl Directory {
     }
 }
 
+/// How long after publishers stop starting requests every request has ended
+/// (answered or cut off by `http.request_timeout`) and its outcome is marked.
+pub(crate) fn requests_end_within(config: &Config) -> Duration {
+    config.http.request_timeout + config.relay.mark_interval + Duration::from_secs(1)
+}
+
 /// Backoff for reconnecting to the database after an error.
 pub(crate) fn reconnect_delay(failures: u32) -> Duration {
     let ms = 50u64.saturating_mul(1 << failures.min(7));
@@ -440,37 +483,28 @@ mod tests {
     fn a_tenure_is_held_under_its_token_until_it_ends() {
         let ownership = Ownership::default();
         let later = Instant::now() + Duration::from_secs(60);
-        ownership.set(
-            3,
-            Tenure {
-                token: 7,
-                until: later,
-            },
-        );
+        ownership.set(3, Tenure::new(7, later));
         assert!(ownership.holds(3, 7));
         assert!(!ownership.holds(3, 6), "an older token");
         assert!(!ownership.holds(4, 7), "another shard");
-        ownership.set(
-            3,
-            Tenure {
-                token: 7,
-                until: Instant::now() - Duration::from_millis(1),
-            },
-        );
+        ownership.set(3, Tenure::new(7, Instant::now() - Duration::from_millis(1)));
         assert!(!ownership.holds(3, 7), "the lease ended");
+        ownership.set(3, Tenure::new(7, later));
+        ownership.stop_sending(Some(3), Some(7));
+        assert!(!ownership.holds(3, 7), "on its way out");
+        ownership.renew(3, 7, later + Duration::from_secs(1));
+        assert!(!ownership.holds(3, 7), "a renewal does not undo it");
+        assert_eq!(
+            ownership.get(3).unwrap().until,
+            later + Duration::from_secs(1)
+        );
     }
 
     #[test]
     fn removing_an_old_tenure_leaves_a_newer_one() {
         let ownership = Ownership::default();
         let later = Instant::now() + Duration::from_secs(60);
-        ownership.set(
-            3,
-            Tenure {
-                token: 9,
-                until: later,
-            },
-        );
+        ownership.set(3, Tenure::new(9, later));
         ownership.remove_if(3, 7);
         assert!(ownership.holds(3, 9));
         ownership.remove_if(3, 9);

@@ -105,7 +105,11 @@ impl Actor for Publisher {
 
 /// Keeps the rows whose lease outlasts a whole request started now, so no row
 /// is ever being published after another claim may have taken it, and whose
-/// shard this replica still holds under the token they were claimed with.
+/// shard this replica still holds (and is not handing over) under the token
+/// they were claimed with. The others are not sent: their leases are given
+/// back so the claim does not count as an attempt and the next claim (here
+/// or at the shard's next owner) takes them at once. (A release the database
+/// refuses, because the lease or the shard moved on, changes nothing.)
 fn drop_expired(
     shared: &Shared,
     rows: Vec<OutboxRow>,
@@ -121,34 +125,31 @@ fn drop_expired(
         .into_iter()
         .zip(leases)
         .partition(|(_, lease)| keep(lease));
-    let lost_shard = dropped
+    let not_ours = dropped
         .iter()
         .filter(|(_, l)| !ownership.holds(l.shard, l.token))
         .count();
-    if lost_shard > 0 {
+    if not_ours > 0 {
         tracing::info!(
-            rows = lost_shard,
-            "rows of a shard this replica no longer holds; skipped (the new owner delivers them)"
+            rows = not_ours,
+            "rows of a shard this replica no longer holds or is handing over; not sent (the next owner delivers them)"
         );
     }
-    if dropped.len() > lost_shard {
+    if dropped.len() > not_ours {
         tracing::warn!(
-            rows = dropped.len() - lost_shard,
+            rows = dropped.len() - not_ours,
             "rows waited for a publisher longer than their lease; skipped (raise relay.lease or lower relay.max_in_flight)"
         );
-        // Not attempted: give the leases back so the claim does not count as
-        // an attempt (a newer claim's lease is left alone by the fence).
-        let released: Vec<Marked> = dropped
-            .into_iter()
-            .filter(|(_, l)| ownership.holds(l.shard, l.token))
-            .map(|(_, lease)| Marked {
-                lease,
-                mark: Mark::Release,
-                route: None,
-            })
-            .collect();
-        send_to_marker(shared, released);
     }
+    let released: Vec<Marked> = dropped
+        .into_iter()
+        .map(|(_, lease)| Marked {
+            lease,
+            mark: Mark::Release,
+            route: None,
+        })
+        .collect();
+    send_to_marker(shared, released);
     kept.into_iter().unzip()
 }
 

@@ -333,8 +333,17 @@ async fn shutdown(state: &mut SupervisorState) -> ShutdownReport {
             .stop_and_wait(Some("shutdown".into()), Some(Duration::from_secs(5)))
             .await;
     }
-    // 2. In-flight publishes and their marks get the grace period.
-    let deadline = Instant::now() + shared.config.relay.shutdown_grace;
+    // 2. No request starts from here (rows not yet sent are put back); the
+    //    ones under way and their marks get the grace period, and at least
+    //    until every request has ended, so no row is released (and taken by
+    //    another replica) while its request may still reach the destination.
+    shared.ownership.stop_sending(None, None);
+    let grace = shared
+        .config
+        .relay
+        .shutdown_grace
+        .max(super::requests_end_within(&shared.config));
+    let deadline = Instant::now() + grace;
     while shared.in_flight_count() > 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }

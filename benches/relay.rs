@@ -70,7 +70,7 @@ fn request_building(c: &mut Criterion) {
 }
 
 fn signature_verification(c: &mut Criterion) {
-    // qstash.md §6.3's test vector, at its own time.
+    // The test vector of docs/qstash-protocol.md, at a time it is valid.
     let token = "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJpc3MiOiJVcHN0YXNoIiwic3ViIjoiaHR0cHM6Ly9leGFtcGxlLmNvbS9hcGkiLCJleHAiOjE3MDAwMDAzMDAsIm5iZiI6MCwiaWF0IjoxNzAwMDAwMDAwLCJqdGkiOiJqd3RfZml4ZWQiLCJib2R5IjoiazZJNWNha1U1ZXJMOEtqU1VWVE5vd25Ed2NjdnU1a1UxSHhnODh0b0ZZZz0ifQ.1IpfJFb5w3fvlKJNdf9nIy4R4eZ13xEuxpq51AJ7J64";
     let verifier = Verifier::new("sig_7kYjw48mhY7kAjqNGcy6cr29RJ6r", None)
         .with_clock(Clock::fixed(1_700_000_100));

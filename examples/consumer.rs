@@ -35,7 +35,7 @@ async fn main() -> anyhow::Result<()> {
         pool,
         verifier,
         consumer: config.consumer,
-        check_subject: config.check_subject,
+        subject: config.subject,
     };
     example::serve(listener, consumer, async {
         let _ = tokio::signal::ctrl_c().await;

@@ -632,8 +632,12 @@ impl RouteConfig {
                 "must not be empty",
             ));
         }
-        crate::routes::check_template(&self.destination)
-            .map_err(|e| ConfigError::invalid(format!("{at}.destination"), e))?;
+        crate::routes::check_template(&self.destination).map_err(|e| {
+            ConfigError::invalid(
+                format!("{at}.destination"),
+                crate::redact::url_in(&e, &self.destination),
+            )
+        })?;
         if self.sink == SinkKind::Webhook {
             match &self.signing_secret {
                 Some(s) if s.starts_with("whsec_") => {
@@ -724,18 +728,23 @@ fn expand_env(s: &str, key: &str) -> Result<String, ConfigError> {
     })
 }
 
+/// Errors name the URL with its credentials hidden.
 fn parse_http_url(s: &str) -> Result<http::Uri, String> {
-    let uri: http::Uri = s.parse().map_err(|e| format!("`{s}` is not a URL: {e}"))?;
+    let shown = crate::redact::url(s);
+    let uri: http::Uri = s
+        .parse()
+        .map_err(|e| format!("`{shown}` is not a URL: {e}"))?;
     match uri.scheme_str() {
         Some("http") | Some("https") => Ok(uri),
-        _ => Err(format!("`{s}` must start with http:// or https://")),
+        _ => Err(format!("`{shown}` must start with http:// or https://")),
     }
 }
 
-const REDACTED: &str = "<redacted>";
+use crate::redact::REDACTED;
 
 impl Config {
-    /// A copy fit to print or log: tokens, keys, secrets and URL passwords hidden.
+    /// A copy fit to print or log: tokens, keys, secrets, and the credentials
+    /// in the database URL (URL or keyword form) and in every HTTP URL hidden.
     pub fn redacted(&self) -> Config {
         let mut c = self.clone();
         for secret in [
@@ -751,28 +760,12 @@ impl Config {
             if route.signing_secret.is_some() {
                 route.signing_secret = Some(REDACTED.to_owned());
             }
+            route.destination = crate::redact::url(&route.destination);
+            route.failure_callback = route.failure_callback.as_deref().map(crate::redact::url);
         }
-        c.database.url = redact_url_password(&c.database.url);
+        c.qstash.url = crate::redact::url(&c.qstash.url);
+        c.database.url = crate::redact::database_url(&c.database.url);
         c
-    }
-}
-
-/// `postgres://user:secret@host/db` → `postgres://user:<redacted>@host/db`.
-pub fn redact_url_password(url: &str) -> String {
-    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
-        return url.to_owned();
-    };
-    let rest = &url[scheme_end..];
-    let authority_end = rest.find('/').unwrap_or(rest.len());
-    let authority = &rest[..authority_end];
-    match (authority.rfind('@'), authority.find(':')) {
-        (Some(at), Some(colon)) if colon < at => format!(
-            "{}{}:{REDACTED}{}",
-            &url[..scheme_end],
-            &authority[..colon],
-            &rest[at..]
-        ),
-        _ => url.to_owned(),
     }
 }
 

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use crate::config::Config;
 use crate::consumer::qstash::Verifier;
 use crate::relay::Relay;
-use crate::server::callback::failure_callback_router;
+use crate::server::callback::{self, CallbackOptions};
 use crate::server::ops::{self, OpsState, Readiness};
 
 /// Starts the relay; a database that cannot be reached (or drops the
@@ -25,6 +25,28 @@ async fn start(config: &Config) -> Result<Relay, crate::relay::RelayError> {
         }
     }
     Relay::start(config.clone()).await
+}
+
+/// The failure-callback listener's guards: QStash signs the URL it calls, so
+/// the routes' `failure_callback` URLs are the only `sub` accepted; a report
+/// carries the message and the response in base64, so it may be about three
+/// times `http.max_message_bytes`.
+fn callback_options(config: &Config) -> CallbackOptions {
+    let mut urls: Vec<&str> = config
+        .routes
+        .iter()
+        .filter_map(|r| r.failure_callback.as_deref())
+        .collect();
+    urls.sort_unstable();
+    urls.dedup();
+    if urls.is_empty() {
+        tracing::warn!("server.callback_bind is set but no route names a failure_callback: every report will be refused");
+    }
+    let mut options = CallbackOptions::new(urls);
+    options.max_body_bytes = options
+        .max_body_bytes
+        .max(config.http.max_message_bytes.saturating_mul(3));
+    options
 }
 
 /// Runs until SIGTERM or SIGINT (exit 0), or until the actor tree gives up.
@@ -66,11 +88,16 @@ pub async fn run_until_signal(config: Config) -> anyhow::Result<()> {
             Some(config.qstash.next_signing_key.as_str()).filter(|k| !k.is_empty()),
         )
         .with_tolerance(config.server.signature_tolerance);
-        let router = failure_callback_router(relay.pool().clone(), verifier);
         let mut rx = stop_rx.clone();
-        let (local, _task) = ops::serve(addr, router, async move {
-            let _ = rx.changed().await;
-        })
+        let (local, _task) = callback::serve(
+            addr,
+            relay.pool().clone(),
+            verifier,
+            callback_options(&config),
+            async move {
+                let _ = rx.changed().await;
+            },
+        )
         .await
         .map_err(|e| anyhow::anyhow!("server.callback_bind {addr}: {e}"))?;
         tracing::info!(%local, "serving POST /qstash/failure");

@@ -23,6 +23,7 @@ pub mod db;
 pub mod metrics;
 pub mod ops;
 pub mod producer;
+pub mod redact;
 pub mod relay;
 pub mod routes;
 pub mod row;

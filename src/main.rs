@@ -24,6 +24,11 @@ struct Cli {
         env = "OUTBOX_RELAY_LOG_FORMAT"
     )]
     log_format: LogFormat,
+    /// TOML config file (see config/relay.toml), before or after the command;
+    /// every key can be set from the environment. Commands that only talk to
+    /// the database read `database.url` (DATABASE_URL overrides it).
+    #[arg(long, global = true)]
+    config: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -37,21 +42,11 @@ enum LogFormat {
 #[derive(Subcommand)]
 enum Command {
     /// Create or upgrade the schema in DATABASE_URL (safe to run from several replicas at once).
-    Migrate {
-        /// Config file; only `database.url` is read (DATABASE_URL overrides it).
-        #[arg(long)]
-        config: Option<PathBuf>,
-    },
+    Migrate,
     /// Run the relay as a daemon until SIGTERM or SIGINT.
-    Run {
-        /// TOML config file (see config/relay.toml); every key can be set from the environment.
-        #[arg(long)]
-        config: Option<PathBuf>,
-    },
+    Run,
     /// Run the relay until the backlog is empty (or --max-duration passes), print what it did, and exit 0. For cron-style deployments.
     Drain {
-        #[arg(long)]
-        config: Option<PathBuf>,
         /// Stop after this long even if rows are still pending (e.g. 5m).
         #[arg(long, value_parser = humantime::parse_duration)]
         max_duration: Option<std::time::Duration>,
@@ -63,20 +58,13 @@ enum Command {
     Reshard {
         /// The new shard count (1-1024).
         shards: i32,
-        #[arg(long)]
-        config: Option<PathBuf>,
     },
     /// Check a config file and the environment, print the effective config (secrets hidden), and exit.
-    CheckConfig {
-        #[arg(long)]
-        config: Option<PathBuf>,
-    },
+    CheckConfig,
     /// Dead-lettered events: list, show, replay, purge.
     Dlq {
         #[command(subcommand)]
         cmd: outbox_relay::cli::dlq::DlqCommand,
-        #[arg(long)]
-        config: Option<PathBuf>,
     },
     /// Backlog, lag, dead letters, throughput per minute and per event type.
     Stats(outbox_relay::cli::stats::StatsArgs),
@@ -113,7 +101,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(dispatch(cli.command)) {
+    match runtime.block_on(dispatch(cli.command, cli.config)) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -122,9 +110,9 @@ fn main() -> ExitCode {
     }
 }
 
-async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
+async fn dispatch(command: Command, config: Option<PathBuf>) -> anyhow::Result<ExitCode> {
     match command {
-        Command::Migrate { config } => {
+        Command::Migrate => {
             let config = Config::load(config.as_deref())?;
             let mut client = db::connect(&config.database.url).await?;
             let report = db::migrate::run(&mut client).await?;
@@ -138,16 +126,12 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Run { config } => {
+        Command::Run => {
             let config = Config::load(config.as_deref())?;
             outbox_relay::run_until_signal(config).await?;
             Ok(ExitCode::SUCCESS)
         }
-        Command::Drain {
-            config,
-            max_duration,
-            json,
-        } => {
+        Command::Drain { max_duration, json } => {
             let config = Config::load(config.as_deref())?;
             let report = outbox_relay::Relay::drain(config, max_duration).await?;
             if json {
@@ -182,7 +166,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Reshard { shards, config } => {
+        Command::Reshard { shards } => {
             let config = Config::load(config.as_deref())?;
             let mut client = db::connect(&config.database.url).await?;
             let before = outbox_relay::ops::shards::shards(&client).await?;
@@ -190,24 +174,55 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             println!("resharded from {before} to {shards} shards ({rows} rows rewritten); set relay.shards = {shards}");
             Ok(ExitCode::SUCCESS)
         }
-        Command::CheckConfig { config } => {
+        Command::CheckConfig => {
             let config = Config::load(config.as_deref())?;
             config.validate_for_relay()?;
             println!("{}", serde_json::to_string_pretty(&config.redacted())?);
             Ok(ExitCode::SUCCESS)
         }
-        Command::Dlq { cmd, config } => {
+        Command::Dlq { cmd } => {
             let config = Config::load(config.as_deref())?;
             outbox_relay::cli::dlq::run(cmd, &config).await
         }
-        Command::Stats(args) => outbox_relay::cli::stats::run(args)
+        Command::Stats(args) => outbox_relay::cli::stats::run(args, config.as_deref())
             .await
             .map(|()| ExitCode::SUCCESS),
-        Command::Prune(args) => outbox_relay::cli::prune::run_prune(args)
+        Command::Prune(args) => outbox_relay::cli::prune::run_prune(args, config.as_deref())
             .await
             .map(|()| ExitCode::SUCCESS),
-        Command::Partitions(command) => outbox_relay::cli::prune::run_partitions(command)
-            .await
-            .map(|()| ExitCode::SUCCESS),
+        Command::Partitions(command) => {
+            outbox_relay::cli::prune::run_partitions(command, config.as_deref())
+                .await
+                .map(|()| ExitCode::SUCCESS)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Cli, Command};
+    use clap::{CommandFactory, Parser};
+    use std::path::Path;
+
+    #[test]
+    fn the_cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn config_is_read_before_or_after_any_command() {
+        for args in [
+            &["outbox-relay", "--config", "f.toml", "run"][..],
+            &["outbox-relay", "run", "--config", "f.toml"],
+            &["outbox-relay", "--config", "f.toml", "dlq", "list"],
+            &["outbox-relay", "dlq", "list", "--config", "f.toml"],
+            &["outbox-relay", "partitions", "list", "--config", "f.toml"],
+            &["outbox-relay", "stats", "--json", "--config", "f.toml"],
+        ] {
+            let cli = Cli::try_parse_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            assert_eq!(cli.config.as_deref(), Some(Path::new("f.toml")), "{args:?}");
+        }
+        let cli = Cli::try_parse_from(["outbox-relay", "migrate"]).unwrap();
+        assert!(cli.config.is_none() && matches!(cli.command, Command::Migrate));
     }
 }

@@ -23,7 +23,8 @@ pub struct OutboxRow {
 }
 
 impl OutboxRow {
-    /// The event as consumers receive it (seed 000's body plus the key and time):
+    /// The event as consumers receive it (the classic outbox event fields plus
+    /// the partition key and creation time):
     /// `{"id","type","aggregateType","aggregateId","tenantId","partitionKey","payload","createdAt"}`,
     /// compact, with `payload` copied through byte for byte.
     pub fn envelope(&self) -> Vec<u8> {

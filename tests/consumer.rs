@@ -14,12 +14,15 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use jsonwebtoken::{Algorithm, EncodingKey, Header};
-use outbox_relay::consumer::example::{self, ExampleConsumer};
+mod common;
+
+use common::jwt;
+use jsonwebtoken::Algorithm;
+use outbox_relay::consumer::example::{self, ExampleConfig, ExampleConsumer, SubjectCheck};
 use outbox_relay::consumer::idempotent::{consume_once, prune_processed, ConsumeError, Consumed};
 use outbox_relay::consumer::qstash::{Clock, SignatureError, Verifier};
 use outbox_relay::consumer::webhooks::{WebhookError, WebhookVerifier};
-use outbox_relay::server::callback::failure_callback_router;
+use outbox_relay::server::callback::{failure_callback_router, CallbackOptions};
 use outbox_relay::testkit::TestDb;
 use outbox_relay::{enqueue, NewEvent};
 use rand::{Rng, SeedableRng};
@@ -27,7 +30,7 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
-// The local dev server's keys (qstash.md §7).
+// The local dev server's keys (docs/qstash-protocol.md, "The local development server").
 const CURRENT: &str = "sig_7kYjw48mhY7kAjqNGcy6cr29RJ6r";
 const NEXT: &str = "sig_5ZB6DVzB1wjE8S6rZ7eenA8Pdnhs";
 const OTHER: &str = "sig_6jWGaWRxHsw4vMSPJprXadyvrybF";
@@ -50,16 +53,6 @@ fn claims(body: &[u8]) -> Value {
         "jti": "jwt_test",
         "body": body_hash(body),
     })
-}
-
-/// A JWT from the `jsonwebtoken` crate, not from our code.
-fn jwt(key: &str, claims: &Value, alg: Algorithm) -> String {
-    jsonwebtoken::encode(
-        &Header::new(alg),
-        claims,
-        &EncodingKey::from_secret(key.as_bytes()),
-    )
-    .unwrap()
 }
 
 fn verifier() -> Verifier {
@@ -244,7 +237,8 @@ fn qstash_body_hash_padded_unpadded_and_standard_alphabet() {
             assert!(matches!(result, Err(SignatureError::BodyMismatch { .. })));
         }
     }
-    // The qstash.md vectors: this body's standard form has a '/', its URL-safe one '_'.
+    // The vectors of docs/qstash-protocol.md: this body's standard form has a '/',
+    // its URL-safe one '_'.
     assert_eq!(
         STANDARD.encode(digest),
         "6fdOcVoYBqplFInc8XbncBOzyFHbwRTMnCTy/p1BHWU="
@@ -829,12 +823,22 @@ async fn post(addr: SocketAddr, path: &str, headers: &[(&str, String)], body: &[
     }
 }
 
-/// An `Upstash-Signature` for `body`, minted now with `key`.
+/// The URL QStash delivers the example consumer's events to.
+const CONSUMER_URL: &str = "https://consumer.example.com/hooks/orders";
+/// The URL QStash sends failure reports to.
+const CALLBACK_URL: &str = "https://relay.example.com/qstash/failure";
+
+/// An `Upstash-Signature` for `body` sent to the example consumer, minted now with `key`.
 fn sign_now(key: &str, body: &[u8]) -> String {
+    sign_for(key, CONSUMER_URL, body)
+}
+
+/// An `Upstash-Signature` for `body` sent to `url`, minted now with `key`.
+fn sign_for(key: &str, url: &str, body: &[u8]) -> String {
     let now = chrono::Utc::now().timestamp();
     jwt(
         key,
-        &json!({"iss": "Upstash", "sub": "http://consumer/", "exp": now + 300, "nbf": 0,
+        &json!({"iss": "Upstash", "sub": url, "exp": now + 300, "nbf": 0,
                 "iat": now, "jti": format!("jwt_{}", Uuid::new_v4().simple()), "body": body_hash(body)}),
         Algorithm::HS256,
     )
@@ -847,7 +851,7 @@ async fn example_server() -> (TestDb, outbox_relay::db::Pool, Server) {
         pool: pool.clone(),
         verifier: Verifier::new(CURRENT, Some(NEXT)).with_tolerance(Duration::from_secs(5)),
         consumer: "example".into(),
-        check_subject: false,
+        subject: SubjectCheck::Exact(CONSUMER_URL.into()),
     };
     let server = serve(example::router(consumer)).await;
     (db, pool, server)
@@ -864,10 +868,11 @@ fn delivery(key: &str, outbox_id: &str, body: &[u8]) -> Vec<(&'static str, Strin
 #[tokio::test]
 async fn example_consumer_processes_once_and_acknowledges_the_duplicate() {
     let (_db, pool, server) = example_server().await;
-    let first = post(server.addr, "/", &delivery(CURRENT, "41", BODY), BODY).await;
+    let body = envelope(41);
+    let first = post(server.addr, "/", &delivery(CURRENT, "41", &body), &body).await;
     assert_eq!((first.status, first.body.as_str()), (200, "processed"));
     // QStash redelivers (a fresh JWT, signed by the next key after a rotation).
-    let again = post(server.addr, "/", &delivery(NEXT, "41", BODY), BODY).await;
+    let again = post(server.addr, "/", &delivery(NEXT, "41", &body), &body).await;
     assert_eq!((again.status, again.body.as_str()), (200, "duplicate"));
     assert_eq!(
         scalar(&pool, "SELECT count(*) FROM example_received_events WHERE message_id = '41' AND event_type = 'order.placed'").await,
@@ -875,19 +880,103 @@ async fn example_consumer_processes_once_and_acknowledges_the_duplicate() {
     );
 }
 
+/// A body as the relay sends it with `body = "envelope"`, for outbox row `id`.
+fn envelope(id: i64) -> Vec<u8> {
+    format!(
+        r#"{{"id":"{id}","type":"order.placed","aggregateType":"order","aggregateId":"o-{id}","tenantId":"00000000-0000-0000-0000-000000000007","partitionKey":"order:o-{id}","payload":{{"orderId":"o-{id}"}},"createdAt":"2026-12-01T03:00:00.000000Z"}}"#
+    )
+    .into_bytes()
+}
+
+#[tokio::test]
+async fn example_consumer_replay_under_a_future_id_does_not_swallow_that_event() {
+    let (_db, pool, server) = example_server().await;
+    let body_41 = envelope(41);
+    let genuine = delivery(CURRENT, "41", &body_41);
+    let first = post(server.addr, "/", &genuine, &body_41).await;
+    assert_eq!((first.status, first.body.as_str()), (200, "processed"));
+    // Someone holding that signed delivery sends it again within `exp`, with
+    // the unsigned X-Outbox-Id of an event that does not exist yet.
+    let mut replay = genuine.clone();
+    replay.retain(|(n, _)| *n != "x-outbox-id");
+    replay.push(("x-outbox-id", "99".into()));
+    let replayed = post(server.addr, "/", &replay, &body_41).await;
+    assert_eq!(replayed.status, 401, "{}", replayed.body);
+    // Event 99 really arrives later: it must be processed, not taken for a duplicate.
+    let body_99 = envelope(99);
+    let real = post(
+        server.addr,
+        "/",
+        &delivery(CURRENT, "99", &body_99),
+        &body_99,
+    )
+    .await;
+    assert_eq!((real.status, real.body.as_str()), (200, "processed"));
+    assert_eq!(
+        scalar(
+            &pool,
+            "SELECT count(*) FROM example_received_events WHERE message_id = '99' AND body->>'id' = '99'"
+        )
+        .await,
+        1
+    );
+    // The plain replay of the genuine delivery is a duplicate.
+    let again = post(server.addr, "/", &genuine, &body_41).await;
+    assert_eq!((again.status, again.body.as_str()), (200, "duplicate"));
+}
+
+#[tokio::test]
+async fn example_config_checks_the_url_by_default() {
+    let (_db, pool) = setup_db().await;
+    example::prepare(&pool).await.unwrap();
+    let config = ExampleConfig::from_lookup(|name| match name {
+        "DATABASE_URL" => Some("postgres://postgres@127.0.0.1:5432/app".into()),
+        "QSTASH_CURRENT_SIGNING_KEY" => Some(CURRENT.into()),
+        _ => None,
+    })
+    .unwrap();
+    let server = serve(example::router(ExampleConsumer {
+        pool: pool.clone(),
+        verifier: Verifier::new(CURRENT, None),
+        consumer: "example".into(),
+        subject: config.subject,
+    }))
+    .await;
+    let own_url = format!("http://{}/hooks/orders", server.addr);
+    let body = envelope(51);
+    let signed = |url: &str| vec![("upstash-signature", sign_for(CURRENT, url, &body))];
+    // A delivery QStash made for another endpoint of the same account.
+    let elsewhere = post(server.addr, "/hooks/orders", &signed(CONSUMER_URL), &body).await;
+    assert_eq!(elsewhere.status, 401, "{}", elsewhere.body);
+    assert!(elsewhere.body.contains("subject"), "{}", elsewhere.body);
+    // Forwarded headers are not trusted unless configured.
+    let mut spoofed = signed(CONSUMER_URL);
+    spoofed.push(("x-forwarded-proto", "https".into()));
+    spoofed.push(("x-forwarded-host", "consumer.example.com".into()));
+    let spoofed = post(server.addr, "/hooks/orders", &spoofed, &body).await;
+    assert_eq!(spoofed.status, 401, "{}", spoofed.body);
+    assert_eq!(
+        scalar(&pool, "SELECT count(*) FROM processed_messages").await,
+        0
+    );
+    let own = post(server.addr, "/hooks/orders", &signed(&own_url), &body).await;
+    assert_eq!((own.status, own.body.as_str()), (200, "processed"));
+}
+
 #[tokio::test]
 async fn example_consumer_rejects_bad_and_missing_signatures() {
     let (_db, pool, server) = example_server().await;
-    let mut headers = delivery(OTHER, "42", BODY);
-    let wrong_key = post(server.addr, "/", &headers, BODY).await;
+    let body = envelope(42);
+    let mut headers = delivery(OTHER, "42", &body);
+    let wrong_key = post(server.addr, "/", &headers, &body).await;
     assert_eq!(wrong_key.status, 401);
     headers.retain(|(n, _)| *n != "upstash-signature");
-    let missing = post(server.addr, "/", &headers, BODY).await;
+    let missing = post(server.addr, "/", &headers, &body).await;
     assert_eq!(missing.status, 401);
     // Signed for another body.
     let mut other_body = delivery(CURRENT, "42", b"{}");
     other_body.push(("x-extra", "1".into()));
-    let tampered = post(server.addr, "/", &other_body, BODY).await;
+    let tampered = post(server.addr, "/", &other_body, &body).await;
     assert_eq!(tampered.status, 401);
     assert!(tampered.body.contains("body hash"), "{}", tampered.body);
     assert_eq!(
@@ -903,15 +992,13 @@ async fn example_consumer_rejects_bad_and_missing_signatures() {
 #[tokio::test]
 async fn example_consumer_tells_qstash_not_to_retry_a_poison_message() {
     let (_db, pool, server) = example_server().await;
-    for (outbox_id, body) in [
-        (Some("43"), &b"not json at all"[..]),
-        (Some("43"), br#"{"orderId":"o-1"}"#),
-        (None, BODY),
+    // Not JSON; no event type; no `id` (a route that sends only the payload).
+    for body in [
+        &b"not json at all"[..],
+        br#"{"id":"43","orderId":"o-1"}"#,
+        BODY,
     ] {
-        let mut headers = delivery(CURRENT, outbox_id.unwrap_or(""), body);
-        if outbox_id.is_none() {
-            headers.retain(|(n, _)| *n != "x-outbox-id");
-        }
+        let headers = delivery(CURRENT, "43", body);
         let reply = post(server.addr, "/", &headers, body).await;
         assert_eq!(reply.status, 489, "{}", reply.body);
         assert_eq!(
@@ -942,7 +1029,8 @@ async fn example_consumer_answers_5xx_when_the_work_fails_and_processes_the_retr
         )
         .await
         .unwrap();
-    let failed = post(server.addr, "/", &delivery(CURRENT, "44", BODY), BODY).await;
+    let body = envelope(44);
+    let failed = post(server.addr, "/", &delivery(CURRENT, "44", &body), &body).await;
     assert_eq!(failed.status, 500);
     assert_eq!(
         scalar(&pool, "SELECT count(*) FROM processed_messages").await,
@@ -954,7 +1042,7 @@ async fn example_consumer_answers_5xx_when_the_work_fails_and_processes_the_retr
         .batch_execute("DROP TRIGGER refuse ON example_received_events")
         .await
         .unwrap();
-    let retried = post(server.addr, "/", &delivery(CURRENT, "44", BODY), BODY).await;
+    let retried = post(server.addr, "/", &delivery(CURRENT, "44", &body), &body).await;
     assert_eq!((retried.status, retried.body.as_str()), (200, "processed"));
 }
 
@@ -1023,20 +1111,14 @@ async fn report_to(server: &Server, key: &str, report: &[u8]) -> Reply {
     post(
         server.addr,
         "/qstash/failure",
-        &[("upstash-signature", sign_now(key, report))],
+        &[("upstash-signature", sign_for(key, CALLBACK_URL, report))],
         report,
     )
     .await
 }
 
 async fn callback_server() -> (TestDb, outbox_relay::db::Pool, Server) {
-    let (db, pool) = setup_db().await;
-    let server = serve(failure_callback_router(
-        pool.clone(),
-        Verifier::new(CURRENT, Some(NEXT)),
-    ))
-    .await;
-    (db, pool, server)
+    callback_server_with(CallbackOptions::new([CALLBACK_URL])).await
 }
 
 #[tokio::test]
@@ -1045,7 +1127,8 @@ async fn failure_callback_dead_letters_the_published_row_with_the_reason() {
     let id = published_row(&pool, "k-cb-1").await;
     let other = published_row(&pool, "k-cb-2").await;
     let report = failure_report(
-        json!({"Content-Type": ["application/json"], "x-OUTBOX-id": [id.to_string()]}),
+        json!({"Content-Type": ["application/json"], "x-OUTBOX-id": [id.to_string()],
+               "x-outbox-idempotency-key": ["k-cb-1"]}),
         BODY,
     );
     let reply = report_to(&server, CURRENT, &report).await;
@@ -1065,7 +1148,7 @@ async fn failure_callback_dead_letters_the_published_row_with_the_reason() {
 
     // Headers as plain strings, and only the envelope's id: both are found.
     let report = failure_report(
-        json!({"X-Event-Id": other.to_string()}),
+        json!({"X-Event-Id": other.to_string(), "X-Outbox-Idempotency-Key": "k-cb-2"}),
         format!(r#"{{"id": {other}}}"#).as_bytes(),
     );
     let reply = report_to(&server, NEXT, &report).await;
@@ -1073,7 +1156,7 @@ async fn failure_callback_dead_letters_the_published_row_with_the_reason() {
     assert!(row_state(&pool, other).await.0);
     let third = published_row(&pool, "k-cb-3").await;
     let report = failure_report(
-        json!({}),
+        json!({"Upstash-Deduplication-Id": ["k-cb-3"]}),
         format!(r#"{{"id":"{third}","type":"t"}}"#).as_bytes(),
     );
     let reply = report_to(&server, CURRENT, &report).await;
@@ -1087,8 +1170,11 @@ async fn failure_callback_with_a_bad_signature_changes_nothing() {
     let id = published_row(&pool, "k-cb-4").await;
     let report = failure_report(json!({"X-Outbox-Id": [id.to_string()]}), BODY);
     for headers in [
-        vec![("upstash-signature", sign_now(OTHER, &report))],
-        vec![("upstash-signature", sign_now(CURRENT, b"another body"))],
+        vec![("upstash-signature", sign_for(OTHER, CALLBACK_URL, &report))],
+        vec![(
+            "upstash-signature",
+            sign_for(CURRENT, CALLBACK_URL, b"another body"),
+        )],
         vec![],
     ] {
         let reply = post(server.addr, "/qstash/failure", &headers, &report).await;
@@ -1101,7 +1187,10 @@ async fn failure_callback_with_a_bad_signature_changes_nothing() {
 async fn failure_callback_unknown_id_is_404_and_garbage_is_400() {
     let (_db, pool, server) = callback_server().await;
     let id = published_row(&pool, "k-cb-5").await;
-    let report = failure_report(json!({"X-Outbox-Id": ["987654"]}), BODY);
+    let report = failure_report(
+        json!({"X-Outbox-Id": ["987654"], "X-Outbox-Idempotency-Key": ["k-cb-5"]}),
+        BODY,
+    );
     let reply = report_to(&server, CURRENT, &report).await;
     assert_eq!(reply.status, 404, "{}", reply.body);
     let mut bad_reports: Vec<Vec<u8>> = vec![
@@ -1130,4 +1219,345 @@ async fn failure_callback_unknown_id_is_404_and_garbage_is_400() {
     // Nothing else answers.
     let reply = post(server.addr, "/qstash/other", &[], b"{}").await;
     assert_eq!(reply.status, 404);
+}
+
+/// The report QStash sends when the attempt with deduplication id `key` of
+/// outbox row `id` failed with `status`.
+fn report_on(id: i64, key: &str, status: u16) -> Vec<u8> {
+    let mut report: Value = serde_json::from_slice(&failure_report(
+        json!({"X-Outbox-Id": [id.to_string()], "X-Outbox-Idempotency-Key": [key]}),
+        &envelope(id),
+    ))
+    .unwrap();
+    report["status"] = json!(status);
+    serde_json::to_vec(&report).unwrap()
+}
+
+#[tokio::test]
+async fn failure_callback_refuses_a_success_report() {
+    let (_db, pool, server) = callback_server().await;
+    let id = published_row(&pool, "k-cb-ok").await;
+    // A signed success callback (the same signing key signs both kinds).
+    for status in [200, 201, 204] {
+        let reply = report_to(&server, CURRENT, &report_on(id, "k-cb-ok", status)).await;
+        assert_eq!(reply.status, 400, "{}", reply.body);
+        assert!(reply.body.contains("not a failure"), "{}", reply.body);
+    }
+    assert_eq!(row_state(&pool, id).await, (false, None, false));
+}
+
+#[tokio::test]
+async fn failure_callback_ignores_a_late_report_on_a_replayed_row() {
+    let (_db, pool, server) = callback_server().await;
+    let id = published_row(&pool, "k-cb-late").await;
+    let first_failure = report_on(id, "k-cb-late", 503);
+    let reply = report_to(&server, CURRENT, &first_failure).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert!(row_state(&pool, id).await.0);
+    // The operator replays the row (a new deduplication id) and the relay
+    // publishes it again.
+    let selector = outbox_relay::cli::dlq::Selector {
+        ids: vec![id],
+        ..Default::default()
+    };
+    let mut conn = pool.get().await.unwrap();
+    let replayed = outbox_relay::cli::dlq::replay(&mut conn, &selector)
+        .await
+        .unwrap();
+    drop(conn);
+    assert_eq!(replayed.len(), 1);
+    pool.get()
+        .await
+        .unwrap()
+        .execute(
+            "UPDATE outbox SET published_at = now(), attempt_count = 1 WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    // QStash retries the first report's callback (or it is replayed): it is
+    // about the old attempt and must not touch the new one.
+    let reply = report_to(&server, CURRENT, &first_failure).await;
+    assert_eq!(reply.status, 409, "{}", reply.body);
+    assert!(reply.body.contains("k-cb-late"), "{}", reply.body);
+    assert!(!row_state(&pool, id).await.0);
+    // A report without the deduplication id cannot say which attempt it is about.
+    let unkeyed = failure_report(json!({"X-Outbox-Id": [id.to_string()]}), &envelope(id));
+    let reply = report_to(&server, CURRENT, &unkeyed).await;
+    assert_eq!(reply.status, 400, "{}", reply.body);
+    assert!(!row_state(&pool, id).await.0);
+}
+
+async fn callback_server_with(
+    options: CallbackOptions,
+) -> (TestDb, outbox_relay::db::Pool, Server) {
+    let (db, pool) = setup_db().await;
+    let server = serve(failure_callback_router(
+        pool.clone(),
+        Verifier::new(CURRENT, Some(NEXT)),
+        options,
+    ))
+    .await;
+    (db, pool, server)
+}
+
+/// A report's head and the first `sent` bytes of its body over a raw socket;
+/// the rest is left unsent. `length` is the Content-Length, or chunked when `None`.
+async fn start_report(
+    addr: SocketAddr,
+    signature: Option<&str>,
+    length: Option<usize>,
+    sent: &[u8],
+) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let mut head = format!(
+        "POST /qstash/failure HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\n"
+    );
+    if let Some(signature) = signature {
+        head.push_str(&format!("upstash-signature: {signature}\r\n"));
+    }
+    match length {
+        Some(n) => head.push_str(&format!("content-length: {n}\r\n\r\n")),
+        None => head.push_str("transfer-encoding: chunked\r\n\r\n"),
+    }
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.write_all(head.as_bytes()).await.unwrap();
+    if length.is_some() {
+        stream.write_all(sent).await.unwrap();
+    } else if !sent.is_empty() {
+        stream
+            .write_all(format!("{:x}\r\n", sent.len()).as_bytes())
+            .await
+            .unwrap();
+        stream.write_all(sent).await.unwrap();
+        stream.write_all(b"\r\n").await.unwrap();
+    }
+    stream
+}
+
+/// The status of the response on `stream`; the test's own limit only keeps
+/// a broken server from hanging it.
+async fn response_status(stream: &mut tokio::net::TcpStream) -> u16 {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 1024];
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while !got.windows(2).any(|w| w == b"\r\n") {
+            let n = stream.read(&mut buf).await.unwrap();
+            assert!(n > 0, "closed without an answer");
+            got.extend_from_slice(&buf[..n]);
+        }
+    })
+    .await
+    .expect("no answer");
+    let line = String::from_utf8_lossy(&got);
+    line.split(' ').nth(1).unwrap().parse().unwrap()
+}
+
+#[tokio::test]
+async fn failure_callback_bounds_size_and_time_before_verifying_the_body() {
+    let mut options = CallbackOptions::new([CALLBACK_URL]);
+    options.max_body_bytes = 4096;
+    options.read_timeout = Duration::from_millis(300);
+    let (_db, pool, server) = callback_server_with(options).await;
+    let id = published_row(&pool, "k-cb-big").await;
+    let big = report_on(id, "k-cb-big", 503)
+        .into_iter()
+        .chain(std::iter::repeat_n(b' ', 8000))
+        .collect::<Vec<u8>>();
+    let signed_big = sign_for(CURRENT, CALLBACK_URL, &big);
+    // Declared too long: refused without reading a byte of it.
+    let mut s = start_report(server.addr, Some(&signed_big), Some(big.len()), b"").await;
+    assert_eq!(response_status(&mut s).await, 413);
+    // Chunked, so the length shows only while reading: refused at the limit.
+    let mut s = start_report(server.addr, Some(&signed_big), None, &big[..5000]).await;
+    assert_eq!(response_status(&mut s).await, 413);
+    // A bad signature is refused before the body is awaited (else: 408).
+    let mut s = start_report(server.addr, Some("not.a.jwt"), Some(1000), b"").await;
+    assert_eq!(response_status(&mut s).await, 401);
+    let mut s = start_report(server.addr, None, Some(1000), b"").await;
+    assert_eq!(response_status(&mut s).await, 401);
+    // A body that stops coming is given up on.
+    let report = report_on(id, "k-cb-big", 503);
+    let signed = sign_for(CURRENT, CALLBACK_URL, &report);
+    let mut s = start_report(
+        server.addr,
+        Some(&signed),
+        Some(report.len()),
+        &report[..10],
+    )
+    .await;
+    assert_eq!(response_status(&mut s).await, 408);
+    assert_eq!(row_state(&pool, id).await, (false, None, false));
+    // The same report sent whole is taken.
+    let reply = report_to(&server, CURRENT, &report).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+}
+
+#[tokio::test]
+async fn failure_callback_limits_the_reports_in_flight() {
+    let mut options = CallbackOptions::new([CALLBACK_URL]);
+    options.max_concurrent = 2;
+    let (_db, pool, server) = callback_server_with(options).await;
+    let mut held = Vec::new();
+    for key in ["k-cb-c1", "k-cb-c2"] {
+        let id = published_row(&pool, key).await;
+        let report = report_on(id, key, 503);
+        let signed = sign_for(CURRENT, CALLBACK_URL, &report);
+        let stream = start_report(
+            server.addr,
+            Some(&signed),
+            Some(report.len()),
+            &report[..20],
+        )
+        .await;
+        held.push((stream, report, id));
+    }
+    // Wait until both slow reports hold their slots: an unsigned request is
+    // then refused for lack of a slot (503), not for its signature (401).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let probe = post(server.addr, "/qstash/failure", &[], b"{}").await;
+        if probe.status == 503 {
+            assert_eq!(
+                probe
+                    .headers
+                    .get("retry-after")
+                    .map(|v| v.to_str().unwrap()),
+                Some("1")
+            );
+            break;
+        }
+        assert_eq!(probe.status, 401, "{}", probe.body);
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the slots never filled"
+        );
+        tokio::task::yield_now().await;
+    }
+    let third = published_row(&pool, "k-cb-c3").await;
+    let report = report_on(third, "k-cb-c3", 503);
+    let refused = report_to(&server, CURRENT, &report).await;
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert!(!row_state(&pool, third).await.0);
+    // The slow ones finish and free their slots.
+    for (mut stream, report, id) in held {
+        use tokio::io::AsyncWriteExt;
+        stream.write_all(&report[20..]).await.unwrap();
+        assert_eq!(response_status(&mut stream).await, 200);
+        assert!(row_state(&pool, id).await.0);
+    }
+    let reply = report_to(&server, CURRENT, &report).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert!(row_state(&pool, third).await.0);
+}
+
+#[tokio::test]
+async fn failure_callback_checks_the_url_it_was_called_at() {
+    let (_db, pool, server) = callback_server().await;
+    let id = published_row(&pool, "k-cb-url").await;
+    let report = report_on(id, "k-cb-url", 500);
+    for url in [
+        "https://other-service.example.com/qstash/failure",
+        "https://relay.example.com/qstash/failure/",
+        CONSUMER_URL,
+    ] {
+        let reply = post(
+            server.addr,
+            "/qstash/failure",
+            &[("upstash-signature", sign_for(CURRENT, url, &report))],
+            &report,
+        )
+        .await;
+        assert_eq!(reply.status, 401, "{url}: {}", reply.body);
+        assert!(reply.body.contains("subject"), "{}", reply.body);
+    }
+    assert_eq!(row_state(&pool, id).await, (false, None, false));
+    let reply = report_to(&server, CURRENT, &report).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+}
+
+/// The failure callback served the way the daemon serves it, with the
+/// connection limits of `options`.
+async fn guarded_callback_server(
+    options: CallbackOptions,
+) -> (TestDb, SocketAddr, tokio::sync::oneshot::Sender<()>) {
+    let (db, pool) = setup_db().await;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (addr, _task) = outbox_relay::server::callback::serve(
+        "127.0.0.1:0".parse().unwrap(),
+        pool,
+        Verifier::new(CURRENT, Some(NEXT)),
+        options,
+        async {
+            let _ = stopped.await;
+        },
+    )
+    .await
+    .unwrap();
+    (db, addr, stop)
+}
+
+/// Reads until the server closes the connection; the test's own limit only
+/// keeps a server that never closes it from hanging the test.
+async fn closed_by_server(stream: &mut tokio::net::TcpStream) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 1024];
+    tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await
+    .is_ok()
+}
+
+#[tokio::test]
+async fn failure_callback_closes_connections_that_go_quiet() {
+    use tokio::io::AsyncWriteExt;
+    let mut options = CallbackOptions::new([CALLBACK_URL]);
+    options.idle_timeout = Duration::from_millis(300);
+    let (_db, addr, _stop) = guarded_callback_server(options).await;
+    // Nothing at all, and headers that never end.
+    let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
+    slow.write_all(b"POST /qstash/failure HTTP/1.1\r\nhost: relay\r\nx-a: ")
+        .await
+        .unwrap();
+    assert!(
+        closed_by_server(&mut silent).await,
+        "a silent client was kept"
+    );
+    assert!(
+        closed_by_server(&mut slow).await,
+        "unfinished headers were waited on"
+    );
+    // A client that keeps talking is served.
+    let reply = post(addr, "/qstash/failure", &[], b"{}").await;
+    assert_eq!(reply.status, 401, "{}", reply.body);
+}
+
+#[tokio::test]
+async fn failure_callback_caps_open_connections() {
+    use tokio::io::AsyncWriteExt;
+    let mut options = CallbackOptions::new([CALLBACK_URL]);
+    options.max_connections = 2;
+    let (_db, addr, _stop) = guarded_callback_server(options).await;
+    let first = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let _second = tokio::net::TcpStream::connect(addr).await.unwrap();
+    // The third is accepted only when one of the two goes away.
+    let mut third = tokio::net::TcpStream::connect(addr).await.unwrap();
+    third
+        .write_all(b"POST /qstash/failure HTTP/1.1\r\nhost: relay\r\ncontent-length: 2\r\n\r\n{}")
+        .await
+        .unwrap();
+    let mut byte = [0u8; 1];
+    use tokio::io::AsyncReadExt;
+    let early = tokio::time::timeout(Duration::from_millis(300), third.read(&mut byte)).await;
+    assert!(early.is_err(), "served over the connection limit");
+    drop(first);
+    assert_eq!(response_status(&mut third).await, 401);
 }

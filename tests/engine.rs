@@ -101,9 +101,10 @@ async fn qstash_headers_are_those_the_official_sdk_sends() {
         sink.requests(),
         vec!["POST /v2/publish/https://example.com/api/x".to_owned()]
     );
-    // qstash.md §1.6, for the same options (no telemetry, no callback/label/
-    // redact/timeout/not-before, which routes do not set; flow control as an
-    // ordered route asks for it).
+    // What the official JS SDK sends for the same options
+    // (docs/qstash-protocol.md, "Headers the relay sends per message"): no
+    // telemetry, no callback/label/redact/timeout/not-before, which routes do
+    // not set; flow control as an ordered route asks for it.
     let id = id.to_string();
     let mut expected: BTreeMap<&str, &str> = BTreeMap::from([
         ("authorization", "Bearer test-token"),
@@ -121,6 +122,7 @@ async fn qstash_headers_are_those_the_official_sdk_sends() {
     ]);
     expected.insert("upstash-forward-x-outbox-id", &id);
     expected.insert("upstash-forward-x-event-id", &id);
+    expected.insert("upstash-forward-x-outbox-idempotency-key", "d1");
     let upstash: BTreeMap<&str, &str> = msg
         .headers
         .iter()

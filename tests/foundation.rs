@@ -236,10 +236,10 @@ async fn bad_events_get_typed_errors_before_the_database() {
 }
 
 #[tokio::test]
-async fn an_application_using_only_the_article_columns_still_works() {
+async fn an_application_using_only_the_classic_outbox_columns_still_works() {
     let db = TestDb::new().await.unwrap();
     let client = db.client().await.unwrap();
-    // Seed 000's enqueue, verbatim in shape: seven columns, jsonb from text.
+    // The classic outbox enqueue: seven columns, jsonb from text.
     client
         .execute(
             "INSERT INTO outbox
@@ -250,7 +250,7 @@ async fn an_application_using_only_the_article_columns_still_works() {
         )
         .await
         .unwrap();
-    // ... and its claim query, as the article writes it.
+    // ... and the classic claim: ORDER BY id, a 30 s lease, attempt_count + 1.
     let claimed = client
         .query(
             "WITH claimed AS (

@@ -262,3 +262,35 @@ fn run_without_a_route_stops_at_start_saying_how_to_add_one() {
         "{stderr}"
     );
 }
+
+#[test]
+fn config_is_one_flag_before_or_after_the_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("relay.toml");
+    std::fs::write(
+        &path,
+        "[database]\nurl = \"postgres://postgres@127.0.0.1:1/x\"\n[qstash]\ntoken = \"t\"\n\
+         [[routes]]\nevent_type = \"*\"\ndestination = \"https://example.com/from-the-file\"\n",
+    )
+    .unwrap();
+    let path = path.to_str().unwrap();
+    for args in [
+        ["check-config", "--config", path],
+        ["--config", path, "check-config"],
+    ] {
+        let out = std::process::Command::new(common::process::BIN)
+            .args(args)
+            .env_remove("DATABASE_URL")
+            .env_remove("QSTASH_URL")
+            .env_remove("QSTASH_TOKEN")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {stderr}");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            stdout.contains("https://example.com/from-the-file"),
+            "{args:?} did not read the file: {stdout}"
+        );
+    }
+}

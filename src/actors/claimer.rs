@@ -65,8 +65,9 @@ RETURNING o.id, o.tenant_id, o.aggregate_type, o.aggregate_id, o.event_type,
 }
 
 /// Claims up to `$1` ready rows of shard `$3` for `$2` ms, after the cursor
-/// `($4, $5)`. The scan walks `outbox_shard_ready_idx` in its order (PERF.md:
-/// a claim whose order does not match its index sorts the whole backlog).
+/// `($4, $5)`. The scan walks `outbox_shard_ready_idx` in its order (a claim
+/// whose order does not match its index sorts the whole backlog:
+/// docs/architecture.md, "Claims and their indexes").
 /// The cursor lets a claimer in a burst start after the rows it already has
 /// in flight instead of walking past their leases on every claim. `$6`: the
 /// shard's fencing token.

@@ -1,4 +1,4 @@
-//! The actor tree (DESIGN.md, "Data path"):
+//! The actor tree (docs/architecture.md):
 //!
 //! ```text
 //! Supervisor ─┬─ Listener        LISTEN on its own connection; wakes claimers

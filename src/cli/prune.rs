@@ -1,7 +1,7 @@
 //! Retention commands: `outbox-relay prune` (batched deletes) and
 //! `outbox-relay partitions` (a partitioned outbox's upkeep).
 
-use std::path::PathBuf;
+use std::path::Path;
 use std::time::Duration;
 
 use crate::config::Config;
@@ -11,9 +11,6 @@ use crate::ops::prune::{prune, PruneOptions, PruneReport, TablePrune};
 
 #[derive(Debug, clap::Args)]
 pub struct PruneArgs {
-    /// Config file; `database.url` and `janitor.batch` are read.
-    #[arg(long)]
-    pub config: Option<PathBuf>,
     /// Delete outbox rows published longer ago than this (`7d`, `36h`).
     /// Pending and dead-lettered rows are never deleted.
     #[arg(long, value_parser = humantime::parse_duration)]
@@ -29,8 +26,9 @@ pub struct PruneArgs {
     pub json: bool,
 }
 
-pub async fn run_prune(args: PruneArgs) -> anyhow::Result<()> {
-    let config = Config::load(args.config.as_deref())?;
+/// `config`: the `--config` file; `database.url` and `janitor.batch` are read.
+pub async fn run_prune(args: PruneArgs, config: Option<&Path>) -> anyhow::Result<()> {
+    let config = Config::load(config)?;
     let client = db::connect(&config.database.url).await?;
     let options = PruneOptions {
         published_older_than: args.older_than,
@@ -74,8 +72,6 @@ pub enum PartitionsCommand {
     /// Replace the (empty) outbox by one partitioned per day of created_at,
     /// then create today's and the next days' partitions.
     Init {
-        #[arg(long)]
-        config: Option<PathBuf>,
         /// Days ahead of today to create.
         #[arg(long, default_value_t = 7)]
         ahead: u32,
@@ -83,8 +79,6 @@ pub enum PartitionsCommand {
     /// Create partitions ahead, detach and drop expired ones (never one with
     /// pending or dead-lettered rows), prune old idempotency keys. Run it daily.
     Maintain {
-        #[arg(long)]
-        config: Option<PathBuf>,
         /// Days ahead of today to create.
         #[arg(long, default_value_t = 7)]
         ahead: u32,
@@ -101,16 +95,17 @@ pub enum PartitionsCommand {
         json: bool,
     },
     /// List the day partitions.
-    List {
-        #[arg(long)]
-        config: Option<PathBuf>,
-    },
+    List,
 }
 
-pub async fn run_partitions(command: PartitionsCommand) -> anyhow::Result<()> {
+/// `config`: the `--config` file; `database.url` and `janitor.batch` are read.
+pub async fn run_partitions(
+    command: PartitionsCommand,
+    config: Option<&Path>,
+) -> anyhow::Result<()> {
+    let config = Config::load(config)?;
     match command {
-        PartitionsCommand::Init { config, ahead } => {
-            let config = Config::load(config.as_deref())?;
+        PartitionsCommand::Init { ahead } => {
             let mut client = db::connect(&config.database.url).await?;
             let report = partitions::init(&mut client, ahead).await?;
             println!(
@@ -120,14 +115,12 @@ pub async fn run_partitions(command: PartitionsCommand) -> anyhow::Result<()> {
             print!("{}", render_maintain(&report));
         }
         PartitionsCommand::Maintain {
-            config,
             ahead,
             retain,
             lock_timeout,
             batch,
             json,
         } => {
-            let config = Config::load(config.as_deref())?;
             let mut client = db::connect(&config.database.url).await?;
             let options = MaintainOptions {
                 ahead_days: ahead,
@@ -142,8 +135,7 @@ pub async fn run_partitions(command: PartitionsCommand) -> anyhow::Result<()> {
                 print!("{}", render_maintain(&report));
             }
         }
-        PartitionsCommand::List { config } => {
-            let config = Config::load(config.as_deref())?;
+        PartitionsCommand::List => {
             let client = db::connect(&config.database.url).await?;
             for (name, day) in partitions::list(&client).await? {
                 println!("{name}\t{day}");

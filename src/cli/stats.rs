@@ -2,7 +2,7 @@
 //! glance for people (tables), or as JSON for scripts.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::Path;
 use std::time::Duration;
 
 use comfy_table::{presets::UTF8_FULL_CONDENSED, CellAlignment, Table};
@@ -13,9 +13,6 @@ use crate::ops::stats::{stats, Stats};
 
 #[derive(Debug, clap::Args)]
 pub struct StatsArgs {
-    /// Config file; only `database.url` is read (DATABASE_URL overrides it).
-    #[arg(long)]
-    pub config: Option<PathBuf>,
     /// One JSON document (with --watch: one per line).
     #[arg(long)]
     pub json: bool,
@@ -24,8 +21,9 @@ pub struct StatsArgs {
     pub watch: Option<u64>,
 }
 
-pub async fn run(args: StatsArgs) -> anyhow::Result<()> {
-    let config = Config::load(args.config.as_deref())?;
+/// `config`: the `--config` file; only `database.url` is read.
+pub async fn run(args: StatsArgs, config: Option<&Path>) -> anyhow::Result<()> {
+    let config = Config::load(config)?;
     let mut client = db::connect(&config.database.url).await?;
     let Some(every) = args.watch else {
         let report = stats(&mut client).await?;

@@ -3,10 +3,12 @@
 //! event once. It is the shape a real handler should copy:
 //!
 //! 1. read the raw body (the signature covers its exact bytes);
-//! 2. verify `Upstash-Signature` → 401 when it does not hold;
+//! 2. verify `Upstash-Signature`, including its `sub` against the URL QStash
+//!    delivered to → 401 when it does not hold;
 //! 3. parse the event → 489 + `Upstash-NonRetryable-Error: true` when it can
 //!    never be processed, so QStash dead-letters it at once instead of retrying;
-//! 4. [`consume_once`] keyed by `X-Outbox-Id` → 200 for processed and for
+//! 4. [`consume_once`] keyed by the envelope's `id`, which the signature
+//!    covers (never by a header it does not cover) → 200 for processed and for
 //!    duplicate, 500 when the work fails (QStash retries later).
 
 use std::net::SocketAddr;
@@ -22,7 +24,7 @@ use serde_json::Value;
 use tokio_postgres::types::Type;
 
 use super::idempotent::{consume_once, ConsumeError, Consumed, OUTBOX_ID_HEADER};
-use super::qstash::{public_url, Verifier};
+use super::qstash::{public_url, request_url, Verifier};
 use crate::db::{DbError, Pool};
 
 /// QStash's "do not retry" answer (must come with [`NON_RETRYABLE_HEADER`]).
@@ -53,9 +55,46 @@ pub struct ExampleConsumer {
     pub verifier: Verifier,
     /// The dedupe namespace: one per consuming service.
     pub consumer: String,
-    /// Check the JWT's `sub` against the URL this request was sent to
-    /// (rebuilt from `X-Forwarded-*` behind a proxy).
-    pub check_subject: bool,
+    /// Which URL the JWT's `sub` must name.
+    pub subject: SubjectCheck,
+}
+
+/// The `sub` check: QStash signs the URL it delivers to, so a delivery made
+/// for another endpoint (another service on the same QStash account) is
+/// refused here.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SubjectCheck {
+    /// `sub` must be exactly this URL: the route's destination as QStash
+    /// calls it, whatever a proxy in front rewrites.
+    Exact(String),
+    /// `sub` must be the URL rebuilt from the request: `scheme`, `Host` and
+    /// the path and query; with `trust_forwarded`, `X-Forwarded-Proto` and
+    /// `X-Forwarded-Host` first (only behind a proxy you run that sets them).
+    FromRequest {
+        scheme: String,
+        trust_forwarded: bool,
+    },
+    /// No `sub` check: any validly signed delivery for this account passes.
+    Off,
+}
+
+impl SubjectCheck {
+    /// The URL `sub` must equal, `Ok(None)` when not checked, `Err` when the
+    /// request does not tell.
+    fn expected(&self, headers: &HeaderMap, uri: &Uri) -> Result<Option<String>, ()> {
+        match self {
+            SubjectCheck::Exact(url) => Ok(Some(url.clone())),
+            SubjectCheck::FromRequest {
+                scheme,
+                trust_forwarded: true,
+            } => public_url(headers, uri, scheme).map(Some).ok_or(()),
+            SubjectCheck::FromRequest {
+                scheme,
+                trust_forwarded: false,
+            } => request_url(headers, uri, scheme).map(Some).ok_or(()),
+            SubjectCheck::Off => Ok(None),
+        }
+    }
 }
 
 /// Settings read from the environment by the example binary.
@@ -66,17 +105,46 @@ pub struct ExampleConfig {
     pub next_signing_key: Option<String>,
     pub consumer: String,
     pub bind: SocketAddr,
-    pub check_subject: bool,
+    pub subject: SubjectCheck,
     pub clock_tolerance: Duration,
 }
 
 impl ExampleConfig {
     /// `DATABASE_URL`, `QSTASH_CURRENT_SIGNING_KEY` (required),
     /// `QSTASH_NEXT_SIGNING_KEY`, `CONSUMER_NAME` (default `example`),
-    /// `CONSUMER_BIND` (default `127.0.0.1:3000`), `CONSUMER_CHECK_URL`
-    /// (`true` to check `sub`), `QSTASH_CLOCK_TOLERANCE` (seconds, default 5).
+    /// `CONSUMER_BIND` (default `127.0.0.1:3000`), `QSTASH_CLOCK_TOLERANCE`
+    /// (seconds, default 5), and for the `sub` check (on unless
+    /// `CONSUMER_CHECK_URL=false`): `CONSUMER_PUBLIC_URL`, the exact URL
+    /// QStash delivers to, else the URL rebuilt from the request (`Host`, or
+    /// `X-Forwarded-*` with `CONSUMER_TRUST_FORWARDED=true`).
     pub fn from_env() -> Result<ExampleConfig, String> {
-        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        Self::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// [`ExampleConfig::from_env`] reading the variables through `lookup`.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<ExampleConfig, String> {
+        let var = |name: &str| lookup(name).filter(|v| !v.is_empty());
+        let flag = |name: &str, default: bool| match var(name).as_deref() {
+            None => Ok(default),
+            Some("true" | "1") => Ok(true),
+            Some("false" | "0") => Ok(false),
+            Some(other) => Err(format!("{name} is {other:?}, want true or false")),
+        };
+        let subject = if !flag("CONSUMER_CHECK_URL", true)? {
+            SubjectCheck::Off
+        } else if let Some(url) = var("CONSUMER_PUBLIC_URL") {
+            match url.parse::<Uri>() {
+                Ok(uri) if matches!(uri.scheme_str(), Some("http" | "https")) => {
+                    SubjectCheck::Exact(url)
+                }
+                _ => return Err(format!("CONSUMER_PUBLIC_URL {url:?} is not an http(s) URL")),
+            }
+        } else {
+            SubjectCheck::FromRequest {
+                scheme: "http".into(),
+                trust_forwarded: flag("CONSUMER_TRUST_FORWARDED", false)?,
+            }
+        };
         let required = |name: &str| var(name).ok_or_else(|| format!("{name} is not set"));
         Ok(ExampleConfig {
             database_url: required("DATABASE_URL")?,
@@ -87,7 +155,7 @@ impl ExampleConfig {
                 .unwrap_or_else(|| "127.0.0.1:3000".into())
                 .parse()
                 .map_err(|e| format!("CONSUMER_BIND: {e}"))?,
-            check_subject: matches!(var("CONSUMER_CHECK_URL").as_deref(), Some("true" | "1")),
+            subject,
             clock_tolerance: Duration::from_secs(
                 var("QSTASH_CLOCK_TOLERANCE")
                     .map(|v| {
@@ -116,9 +184,14 @@ pub fn router(consumer: ExampleConsumer) -> Router {
         .with_state(Arc::new(consumer))
 }
 
-/// Why an event can never be processed.
+/// Why a verified delivery is not processed.
 #[derive(Debug, PartialEq, Eq)]
-struct Poison(String);
+enum Refused {
+    /// It can never be processed.
+    Poison(String),
+    /// An unsigned header contradicts the signed body: someone altered it.
+    Tampered(String),
+}
 
 struct Event {
     message_id: String,
@@ -126,25 +199,38 @@ struct Event {
     body: Value,
 }
 
-fn parse_event(headers: &HeaderMap, body: &[u8]) -> Result<Event, Poison> {
-    let message_id = headers
-        .get(OUTBOX_ID_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim)
-        .filter(|v| !v.is_empty())
-        .ok_or_else(|| Poison("no X-Outbox-Id header".into()))?
-        .to_owned();
+/// The event in a verified body. Its id comes from the envelope's `id`, which
+/// the signature covers: `X-Outbox-Id` is not signed, so it is only checked
+/// against the envelope, never trusted on its own.
+fn parse_event(headers: &HeaderMap, body: &[u8]) -> Result<Event, Refused> {
+    let poison = |reason: String| Refused::Poison(reason);
     let body: Value =
-        serde_json::from_slice(body).map_err(|e| Poison(format!("body is not JSON: {e}")))?;
+        serde_json::from_slice(body).map_err(|e| poison(format!("body is not JSON: {e}")))?;
     if !body.is_object() {
-        return Err(Poison("body is not a JSON object".into()));
+        return Err(poison("body is not a JSON object".into()));
+    }
+    let message_id = match body.get("id") {
+        Some(Value::String(s)) if !s.trim().is_empty() => s.trim().to_owned(),
+        Some(Value::Number(n)) => n.to_string(),
+        _ => {
+            return Err(poison(
+                "body has no `id`: the route must send the envelope (body = \"envelope\")".into(),
+            ))
+        }
+    };
+    if let Some(header) = headers.get(OUTBOX_ID_HEADER) {
+        if header.to_str().ok().map(str::trim) != Some(message_id.as_str()) {
+            return Err(Refused::Tampered(format!(
+                "X-Outbox-Id {header:?} is not the signed body's id {message_id:?}"
+            )));
+        }
     }
     let event_type = body
         .get("type")
         .and_then(Value::as_str)
         .or_else(|| headers.get(EVENT_TYPE_HEADER).and_then(|v| v.to_str().ok()))
         .filter(|t| !t.is_empty())
-        .ok_or_else(|| Poison("no event type (body `type` or X-Event-Type)".into()))?
+        .ok_or_else(|| poison("no event type (body `type` or X-Event-Type)".into()))?
         .to_owned();
     Ok(Event {
         message_id,
@@ -159,17 +245,9 @@ async fn receive(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let expected_url = if state.check_subject {
-        match public_url(&headers, &uri, "http") {
-            Some(url) => Some(url),
-            None => {
-                tracing::warn!("cannot tell the public URL of this request; rejecting");
-                return (StatusCode::UNAUTHORIZED, "cannot check the signature's URL")
-                    .into_response();
-            }
-        }
-    } else {
-        None
+    let Ok(expected_url) = state.subject.expected(&headers, &uri) else {
+        tracing::warn!("cannot tell the URL of this request; rejecting");
+        return (StatusCode::UNAUTHORIZED, "cannot check the signature's URL").into_response();
     };
     if let Err(e) = state
         .verifier
@@ -180,9 +258,13 @@ async fn receive(
     }
     let event = match parse_event(&headers, &body) {
         Ok(event) => event,
-        Err(Poison(reason)) => {
+        Err(Refused::Poison(reason)) => {
             tracing::warn!(%reason, "delivery can never be processed; telling QStash not to retry");
             return non_retryable(reason);
+        }
+        Err(Refused::Tampered(reason)) => {
+            tracing::warn!(%reason, "rejected a delivery");
+            return (StatusCode::UNAUTHORIZED, reason).into_response();
         }
     };
     let message_id = event.message_id.clone();
@@ -249,25 +331,102 @@ mod tests {
     }
 
     #[test]
-    fn poison_bodies_are_named() {
-        let ok = parse_event(&headers(Some("7")), br#"{"type":"order.placed"}"#).unwrap();
+    fn the_id_comes_from_the_signed_body_and_the_header_must_agree() {
+        let body = br#"{"id":"7","type":"order.placed"}"#;
+        for h in [headers(Some("7")), headers(None)] {
+            let ok = parse_event(&h, body).unwrap();
+            assert_eq!(
+                (ok.message_id.as_str(), ok.event_type.as_str()),
+                ("7", "order.placed")
+            );
+        }
         assert_eq!(
-            (ok.message_id.as_str(), ok.event_type.as_str()),
-            ("7", "order.placed")
+            parse_event(&headers(None), br#"{"id":8,"type":"t"}"#)
+                .unwrap()
+                .message_id,
+            "8"
         );
-        for (h, body) in [
-            (headers(None), &br#"{"type":"a"}"#[..]),
-            (headers(Some("7")), b"not json"),
-            (headers(Some("7")), b"[1,2]"),
-            (headers(Some("7")), br#"{"data":1}"#),
+        assert!(matches!(
+            parse_event(&headers(Some("99")), body),
+            Err(Refused::Tampered(_))
+        ));
+    }
+
+    #[test]
+    fn poison_bodies_are_named() {
+        for body in [
+            &b"not json"[..],
+            b"[1,2]",
+            br#"{"id":"7","data":1}"#,
+            br#"{"type":"a"}"#,
+            br#"{"id":"","type":"a"}"#,
+            br#"{"id":null,"type":"a"}"#,
         ] {
-            assert!(parse_event(&h, body).is_err());
+            assert!(
+                matches!(parse_event(&headers(None), body), Err(Refused::Poison(_))),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
         }
         let mut h = headers(Some("7"));
         h.insert(EVENT_TYPE_HEADER, "order.paid".parse().unwrap());
         assert_eq!(
-            parse_event(&h, br#"{"data":1}"#).unwrap().event_type,
+            parse_event(&h, br#"{"id":"7","data":1}"#)
+                .unwrap()
+                .event_type,
             "order.paid"
         );
+    }
+
+    #[test]
+    fn the_url_check_is_on_unless_turned_off() {
+        let vars = |extra: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                [
+                    ("DATABASE_URL", "postgres://postgres@127.0.0.1/app"),
+                    ("QSTASH_CURRENT_SIGNING_KEY", "sig_x"),
+                ]
+                .iter()
+                .chain(extra)
+                .rev()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.to_string())
+            }
+        };
+        let subject = |extra| ExampleConfig::from_lookup(vars(extra)).map(|c| c.subject);
+        assert_eq!(
+            subject(&[]),
+            Ok(SubjectCheck::FromRequest {
+                scheme: "http".into(),
+                trust_forwarded: false
+            })
+        );
+        assert_eq!(
+            subject(&[("CONSUMER_TRUST_FORWARDED", "true")]),
+            Ok(SubjectCheck::FromRequest {
+                scheme: "http".into(),
+                trust_forwarded: true
+            })
+        );
+        assert_eq!(
+            subject(&[(
+                "CONSUMER_PUBLIC_URL",
+                "https://api.example.com/hooks/orders"
+            )]),
+            Ok(SubjectCheck::Exact(
+                "https://api.example.com/hooks/orders".into()
+            ))
+        );
+        assert_eq!(
+            subject(&[("CONSUMER_CHECK_URL", "false")]),
+            Ok(SubjectCheck::Off)
+        );
+        for bad in [
+            &[("CONSUMER_CHECK_URL", "yes please")][..],
+            &[("CONSUMER_PUBLIC_URL", "api.example.com/hooks")],
+        ] {
+            let err = subject(bad).unwrap_err();
+            assert!(err.contains(bad[0].0), "{err}");
+        }
     }
 }

@@ -7,5 +7,5 @@ pub mod qstash;
 pub mod webhooks;
 
 pub use idempotent::{consume_once, prune_processed, ConsumeError, Consumed};
-pub use qstash::{SignatureError, Verifier};
+pub use qstash::{SignatureError, VerifiedToken, Verifier};
 pub use webhooks::{WebhookError, WebhookVerifier};

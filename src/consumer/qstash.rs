@@ -166,6 +166,17 @@ impl Verifier {
         body: &[u8],
         expected_url: Option<&str>,
     ) -> Result<Claims, SignatureError> {
+        self.verify_token(signature, expected_url)?.check_body(body)
+    }
+
+    /// Everything [`Verifier::verify`] checks except the body hash, so a
+    /// server can refuse a bad signature before it reads the body. The
+    /// request is genuine only once [`VerifiedToken::check_body`] holds.
+    pub fn verify_token(
+        &self,
+        signature: Option<&str>,
+        expected_url: Option<&str>,
+    ) -> Result<VerifiedToken, SignatureError> {
         let token = signature
             .map(str::trim)
             .filter(|s| !s.is_empty())
@@ -232,16 +243,34 @@ impl Verifier {
                 });
             }
         }
-        let claim = optional_string(claims.body, "body")?
+        let body_claim = optional_string(claims.body, "body")?
             .ok_or_else(|| SignatureError::malformed("no body claim"))?;
-        check_body(&claim, body)?;
-        Ok(Claims {
-            subject,
-            expires_at: exp,
-            issued_at: numeric_date(claims.iat, "iat")?,
-            jwt_id: optional_string(claims.jti, "jti")?,
-            signed_with_next_key,
+        Ok(VerifiedToken {
+            body_claim,
+            claims: Claims {
+                subject,
+                expires_at: exp,
+                issued_at: numeric_date(claims.iat, "iat")?,
+                jwt_id: optional_string(claims.jti, "jti")?,
+                signed_with_next_key,
+            },
         })
+    }
+
+    /// [`Verifier::verify_token`] reading the signature from `headers`.
+    pub fn verify_token_headers(
+        &self,
+        headers: &http::HeaderMap,
+        expected_url: Option<&str>,
+    ) -> Result<VerifiedToken, SignatureError> {
+        let signature = match headers.get(SIGNATURE_HEADER) {
+            None => None,
+            Some(v) => Some(
+                v.to_str()
+                    .map_err(|_| SignatureError::malformed("header is not ASCII"))?,
+            ),
+        };
+        self.verify_token(signature, expected_url)
     }
 
     /// [`Verifier::verify`] reading the signature from `headers`.
@@ -251,14 +280,30 @@ impl Verifier {
         body: &[u8],
         expected_url: Option<&str>,
     ) -> Result<Claims, SignatureError> {
-        let signature = match headers.get(SIGNATURE_HEADER) {
-            None => None,
-            Some(v) => Some(
-                v.to_str()
-                    .map_err(|_| SignatureError::malformed("header is not ASCII"))?,
-            ),
-        };
-        self.verify(signature, body, expected_url)
+        self.verify_token_headers(headers, expected_url)?
+            .check_body(body)
+    }
+}
+
+/// A signature whose key, issuer, times and subject held; the body hash is
+/// still to be checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VerifiedToken {
+    body_claim: String,
+    claims: Claims,
+}
+
+impl VerifiedToken {
+    /// The claims, once `body` (the raw bytes as received) matches the hash
+    /// the signature carries.
+    pub fn check_body(self, body: &[u8]) -> Result<Claims, SignatureError> {
+        check_body(&self.body_claim, body)?;
+        Ok(self.claims)
+    }
+
+    /// The signed claims; not yet bound to a body.
+    pub fn claims(&self) -> &Claims {
+        &self.claims
     }
 }
 
@@ -346,7 +391,27 @@ pub fn public_url(
     uri: &http::Uri,
     default_scheme: &str,
 ) -> Option<String> {
+    rebuild_url(headers, uri, default_scheme, true)
+}
+
+/// The URL of this request as this server received it: `scheme`, then `Host`
+/// (else the request URI's authority), then the path and query. Unlike
+/// [`public_url`], no `X-Forwarded-*` header is read, so a client cannot
+/// choose the URL the `sub` check compares against.
+pub fn request_url(headers: &http::HeaderMap, uri: &http::Uri, scheme: &str) -> Option<String> {
+    rebuild_url(headers, uri, scheme, false)
+}
+
+fn rebuild_url(
+    headers: &http::HeaderMap,
+    uri: &http::Uri,
+    default_scheme: &str,
+    trust_forwarded: bool,
+) -> Option<String> {
     let first = |name: &str| -> Option<String> {
+        if !trust_forwarded && name.starts_with("x-forwarded-") {
+            return None;
+        }
         let v = headers.get(name)?.to_str().ok()?;
         // Proxies chain values: the first is the client-facing one.
         let v = v.split(',').next()?.trim();
@@ -429,5 +494,18 @@ mod tests {
         h.insert("x-forwarded-host", "a b/c".parse().unwrap());
         assert_eq!(public_url(&h, &uri, "http"), None);
         assert_eq!(public_url(&http::HeaderMap::new(), &uri, "http"), None);
+    }
+
+    #[test]
+    fn request_url_ignores_forwarded_headers() {
+        let uri: http::Uri = "/hooks/qstash?x=1".parse().unwrap();
+        let mut h = http::HeaderMap::new();
+        h.insert("host", "127.0.0.1:3000".parse().unwrap());
+        h.insert("x-forwarded-proto", "https".parse().unwrap());
+        h.insert("x-forwarded-host", "api.example.com".parse().unwrap());
+        assert_eq!(
+            request_url(&h, &uri, "http").as_deref(),
+            Some("http://127.0.0.1:3000/hooks/qstash?x=1")
+        );
     }
 }

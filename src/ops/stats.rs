@@ -25,8 +25,7 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use tokio_postgres::{Client, GenericClient, IsolationLevel};
 
-/// Pending rows with more failed attempts than this count as flapping (the
-/// article's threshold).
+/// Pending rows with more failed attempts than this count as flapping.
 pub const FLAPPING_ATTEMPTS: i32 = 3;
 
 /// The gauges, sampled at one instant.

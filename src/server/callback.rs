@@ -3,23 +3,32 @@
 //! (`dead_lettered_at`, `last_error`), so `outbox-relay dlq` sees it.
 //!
 //! Set the route's failure callback to `https://<this server>/qstash/failure`.
-//! The report is signed like any delivery; `sub` is not checked here (the
-//! public URL depends on the proxy in front), the body hash is.
+//! The report is signed like any delivery. Before the body is read, the
+//! signature must hold and its `sub` must be one of the failure-callback URLs
+//! the routes name (a report QStash made for another endpoint is refused);
+//! the body is then read within a size and time bound, and a limited number
+//! of reports are handled at once. Only failure reports count, and only for
+//! the attempt they report on: the row's current deduplication id must be the
+//! one the report names, so a late report never touches a row that was
+//! replayed since.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
 
-use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
 use base64::engine::general_purpose::{STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD};
 use base64::Engine;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde::Deserialize;
+use tokio::sync::Semaphore;
 use tokio_postgres::types::Type;
 
-use crate::consumer::qstash::Verifier;
+use crate::consumer::qstash::{SignatureError, Verifier};
 use crate::db::{self, Pool};
 
 pub const FAILURE_PATH: &str = "/qstash/failure";
@@ -27,33 +36,114 @@ pub const FAILURE_PATH: &str = "/qstash/failure";
 /// `last_error` keeps this many characters of the destination's answer.
 pub const MAX_ERROR_BODY_CHARS: usize = 2000;
 
-/// Reports carry the original message and the response, both base64: allow
-/// a 1 MB message with room to spare.
-const MAX_REPORT_BYTES: usize = 8 * 1024 * 1024;
+/// Reports carry the original message and the response, both base64: room
+/// for a 1 MB message and a 1 MB response.
+pub const DEFAULT_MAX_REPORT_BYTES: usize = 4 * 1024 * 1024;
+
+/// How long a client may take to send a report's body.
+pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Reports handled at once; more are answered 503 (QStash retries them).
+pub const DEFAULT_MAX_CONCURRENT: usize = 8;
+
+/// Connections open at once; more wait to be accepted.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
+
+/// A connection on which nothing moves for this long is closed.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Header names (lowercase) that carry the outbox row id, in order of trust.
 const ID_HEADERS: &[&str] = &["x-outbox-id", "x-event-id"];
 
-// A second report for the same row (QStash retries callbacks) keeps the
-// first dead-letter time.
-const MARK_DEAD: &str = "UPDATE outbox
-SET dead_lettered_at = coalesce(dead_lettered_at, now()),
-    last_error = $2,
-    locked_until = NULL
-WHERE id = $1";
+/// Header names (lowercase) that carry the deduplication id of the attempt
+/// the report is about: the relay forwards the first with every message.
+const KEY_HEADERS: &[&str] = &["x-outbox-idempotency-key", "upstash-deduplication-id"];
 
-#[derive(Clone)]
+// Marks the row only while its current deduplication id is the reported one
+// and QStash took it (published_at), so a report on an attempt that a replay
+// replaced never touches the row again. A second report for the same attempt
+// (QStash retries callbacks) keeps the first dead-letter time. Answers the
+// row's current key and whether it was marked; no row when the id is unknown.
+const MARK_DEAD: &str = "WITH target AS (
+    SELECT id, idempotency_key, published_at FROM outbox WHERE id = $1
+), marked AS (
+    UPDATE outbox o
+    SET dead_lettered_at = coalesce(o.dead_lettered_at, now()),
+        last_error = $2,
+        locked_until = NULL
+    FROM target t
+    WHERE o.id = t.id AND t.idempotency_key = $3 AND t.published_at IS NOT NULL
+    RETURNING o.id
+)
+SELECT t.idempotency_key, t.published_at IS NOT NULL, EXISTS (SELECT 1 FROM marked)
+FROM target t";
+
+/// How the listener guards itself before a report is verified.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallbackOptions {
+    /// The URLs QStash calls this endpoint at (the routes' `failure_callback`):
+    /// the signature's `sub` must be one of them. None means every report is
+    /// refused.
+    pub urls: Vec<String>,
+    /// A longer body is refused (413) without being read to its end.
+    pub max_body_bytes: usize,
+    /// The whole body must arrive within this (else 408).
+    pub read_timeout: Duration,
+    /// Reports handled at once; more get 503 with `Retry-After`.
+    pub max_concurrent: usize,
+    /// Connections open at once ([`serve`]); more wait to be accepted.
+    pub max_connections: usize,
+    /// A connection that sends and receives nothing for this long is closed
+    /// ([`serve`]), headers not yet complete included.
+    pub idle_timeout: Duration,
+}
+
+impl CallbackOptions {
+    /// The defaults, for reports sent to `urls`.
+    pub fn new<S: Into<String>>(urls: impl IntoIterator<Item = S>) -> CallbackOptions {
+        CallbackOptions {
+            urls: urls.into_iter().map(Into::into).collect(),
+            max_body_bytes: DEFAULT_MAX_REPORT_BYTES,
+            read_timeout: DEFAULT_READ_TIMEOUT,
+            max_concurrent: DEFAULT_MAX_CONCURRENT,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+        }
+    }
+}
+
+/// Serves the failure callback on `addr` until `shutdown` resolves, with the
+/// connection limits of `options` (the report limits are the router's).
+pub async fn serve(
+    addr: std::net::SocketAddr,
+    pool: Pool,
+    verifier: Verifier,
+    options: CallbackOptions,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)> {
+    let (max_connections, idle_timeout) = (options.max_connections, options.idle_timeout);
+    let router = failure_callback_router(pool, verifier, options);
+    super::guarded::serve(addr, router, max_connections, idle_timeout, shutdown).await
+}
+
 struct CallbackState {
     pool: Pool,
     verifier: Verifier,
+    options: CallbackOptions,
+    slots: Arc<Semaphore>,
 }
 
 /// `POST /qstash/failure`.
-pub fn failure_callback_router(pool: Pool, verifier: Verifier) -> Router {
+pub fn failure_callback_router(pool: Pool, verifier: Verifier, options: CallbackOptions) -> Router {
+    let slots = Arc::new(Semaphore::new(options.max_concurrent.max(1)));
     Router::new()
         .route(FAILURE_PATH, post(failure_callback))
-        .layer(DefaultBodyLimit::max(MAX_REPORT_BYTES))
-        .with_state(CallbackState { pool, verifier })
+        .with_state(Arc::new(CallbackState {
+            pool,
+            verifier,
+            options,
+            slots,
+        }))
 }
 
 /// A header value as QStash sends it (an array) or as its docs show it (a string).
@@ -73,7 +163,8 @@ impl HeaderValues {
     }
 }
 
-/// The failure-callback report (qstash.md §5.3); only what we use.
+/// The failure-callback report (docs/qstash-protocol.md, "Failure callbacks");
+/// only what we use.
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct FailureReport {
@@ -98,20 +189,43 @@ struct FailureReport {
 
 #[derive(Debug)]
 enum Rejection {
+    Busy,
     Unauthorized(String),
+    TooLarge(usize),
+    SlowBody(Duration),
     BadReport(String),
     UnknownRow(i64),
+    /// The report is about an attempt the row no longer is on.
+    Stale(String),
     Database(db::DbError),
 }
 
 impl IntoResponse for Rejection {
     fn into_response(self) -> Response {
         match self {
+            Rejection::Busy => {
+                let mut r =
+                    (StatusCode::SERVICE_UNAVAILABLE, "too many reports at once").into_response();
+                r.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                r
+            }
             Rejection::Unauthorized(why) => (StatusCode::UNAUTHORIZED, why).into_response(),
+            Rejection::TooLarge(max) => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("a report is at most {max} bytes"),
+            )
+                .into_response(),
+            Rejection::SlowBody(limit) => (
+                StatusCode::REQUEST_TIMEOUT,
+                format!("the report's body did not arrive within {limit:?}"),
+            )
+                .into_response(),
             Rejection::BadReport(why) => (StatusCode::BAD_REQUEST, why).into_response(),
             Rejection::UnknownRow(id) => {
                 (StatusCode::NOT_FOUND, format!("no outbox row {id}")).into_response()
             }
+            Rejection::Stale(why) => (StatusCode::CONFLICT, why).into_response(),
             // QStash retries the callback: the row gets marked once the database is back.
             Rejection::Database(_) => {
                 (StatusCode::SERVICE_UNAVAILABLE, "database unavailable").into_response()
@@ -120,23 +234,29 @@ impl IntoResponse for Rejection {
     }
 }
 
-async fn failure_callback(
-    State(state): State<CallbackState>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    match record_failure(&state, &headers, &body).await {
+async fn failure_callback(State(state): State<Arc<CallbackState>>, request: Request) -> Response {
+    match record_failure(&state, request).await {
         Ok(id) => (StatusCode::OK, format!("outbox row {id} dead-lettered")).into_response(),
         Err(rejection) => {
             match &rejection {
+                Rejection::Busy => tracing::warn!("failure callback: too many reports at once"),
                 Rejection::Unauthorized(why) => {
                     tracing::warn!(reason = %why, "failure callback: bad signature")
+                }
+                Rejection::TooLarge(max) => {
+                    tracing::warn!(max, "failure callback: report too large")
+                }
+                Rejection::SlowBody(limit) => {
+                    tracing::warn!(?limit, "failure callback: report body too slow")
                 }
                 Rejection::BadReport(why) => {
                     tracing::warn!(reason = %why, "failure callback: malformed report")
                 }
                 Rejection::UnknownRow(id) => {
                     tracing::warn!(id, "failure callback: no such outbox row")
+                }
+                Rejection::Stale(why) => {
+                    tracing::warn!(reason = %why, "failure callback: report on a replaced attempt")
                 }
                 Rejection::Database(e) => {
                     tracing::warn!(error = %e, "failure callback: database error")
@@ -147,65 +267,184 @@ async fn failure_callback(
     }
 }
 
-async fn record_failure(
-    state: &CallbackState,
-    headers: &HeaderMap,
-    body: &[u8],
-) -> Result<i64, Rejection> {
-    state
-        .verifier
-        .verify_headers(headers, body, None)
-        .map_err(|e| Rejection::Unauthorized(e.to_string()))?;
-    let report: FailureReport = serde_json::from_slice(body)
-        .map_err(|e| Rejection::BadReport(format!("not a QStash failure report: {e}")))?;
-    let id = outbox_id(&report)?;
-    let last_error = describe(&report)?;
+async fn record_failure(state: &CallbackState, request: Request) -> Result<i64, Rejection> {
+    let _slot = state
+        .slots
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| Rejection::Busy)?;
+    let (parts, body) = request.into_parts();
+    let body = read_verified(state, &parts.headers, body).await?;
+    let report = parse_failure_report(&body).map_err(|e| Rejection::BadReport(e.0))?;
     let conn = state
         .pool
         .get()
         .await
         .map_err(|e| Rejection::Database(e.into()))?;
-    let updated = conn
-        .execute_typed(MARK_DEAD, &[(&id, Type::INT8), (&last_error, Type::TEXT)])
+    let row = conn
+        .query_typed_opt(
+            MARK_DEAD,
+            &[
+                (&report.outbox_id, Type::INT8),
+                (&report.last_error, Type::TEXT),
+                (&report.deduplication_id, Type::TEXT),
+            ],
+        )
         .await
-        .map_err(|e| Rejection::Database(e.into()))?;
-    if updated == 0 {
-        return Err(Rejection::UnknownRow(id));
+        .map_err(|e| Rejection::Database(e.into()))?
+        .ok_or(Rejection::UnknownRow(report.outbox_id))?;
+    let (current, published, marked): (String, bool, bool) = (row.get(0), row.get(1), row.get(2));
+    if !marked {
+        return Err(Rejection::Stale(if current != report.deduplication_id {
+            format!(
+                "outbox row {} is now on deduplication id {current:?}, the report is about {:?}: not marked",
+                report.outbox_id, report.deduplication_id
+            )
+        } else {
+            debug_assert!(!published);
+            format!(
+                "outbox row {} is not published under {:?} yet: not marked",
+                report.outbox_id, report.deduplication_id
+            )
+        }));
     }
     tracing::info!(
-        id,
+        id = report.outbox_id,
         status = report.status,
         source_message_id = report.source_message_id.as_deref().unwrap_or(""),
         url = report.url.as_deref().unwrap_or(""),
         "QStash gave up on an outbox row; dead-lettered"
     );
-    Ok(id)
+    Ok(report.outbox_id)
+}
+
+/// The signature (key, times, and `sub` among the configured URLs) before a
+/// byte of the body is read; then the body within the size and time bounds;
+/// then its hash against the signature.
+async fn read_verified(
+    state: &CallbackState,
+    headers: &HeaderMap,
+    body: axum::body::Body,
+) -> Result<bytes::Bytes, Rejection> {
+    let unauthorized = |e: SignatureError| Rejection::Unauthorized(e.to_string());
+    let token = state
+        .verifier
+        .verify_token_headers(headers, None)
+        .map_err(unauthorized)?;
+    let subject = token.claims().subject.as_deref();
+    if !subject.is_some_and(|s| state.options.urls.iter().any(|url| url == s)) {
+        return Err(unauthorized(SignatureError::WrongSubject {
+            found: subject.map(str::to_owned),
+            expected: state.options.urls.join(" or "),
+        }));
+    }
+    let max = state.options.max_body_bytes;
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max as u64) {
+        return Err(Rejection::TooLarge(max));
+    }
+    let limit = state.options.read_timeout;
+    let collected = tokio::time::timeout(limit, Limited::new(body, max).collect())
+        .await
+        .map_err(|_| Rejection::SlowBody(limit))?;
+    let body = match collected {
+        Ok(c) => c.to_bytes(),
+        Err(e) if e.is::<LengthLimitError>() => return Err(Rejection::TooLarge(max)),
+        Err(e) => return Err(Rejection::BadReport(format!("cannot read the body: {e}"))),
+    };
+    token.check_body(&body).map_err(unauthorized)?;
+    Ok(body)
+}
+
+/// Why a report cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReportError(pub String);
+
+impl std::fmt::Display for ReportError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ReportError {}
+
+/// What a failure report says, as the listener uses it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParsedReport {
+    pub outbox_id: i64,
+    /// The deduplication id of the attempt QStash gave up on.
+    pub deduplication_id: String,
+    /// The destination's last status (never 2xx).
+    pub status: u16,
+    /// What goes into the row's `last_error`.
+    pub last_error: String,
+    pub source_message_id: Option<String>,
+    pub url: Option<String>,
+}
+
+/// Parses a failure report's body (the signature is checked elsewhere): a
+/// report of a success, or one that does not name the outbox row and the
+/// attempt, is an error naming what is wrong.
+pub fn parse_failure_report(body: &[u8]) -> Result<ParsedReport, ReportError> {
+    let report: FailureReport = serde_json::from_slice(body)
+        .map_err(|e| ReportError(format!("not a QStash failure report: {e}")))?;
+    if (200..300).contains(&report.status) {
+        return Err(ReportError(format!(
+            "status {} is a success, not a failure: only failure reports are taken",
+            report.status
+        )));
+    }
+    let outbox_id = outbox_id(&report)?;
+    let deduplication_id = header_value(&report, KEY_HEADERS)
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+        .ok_or_else(|| {
+            ReportError("no X-Outbox-Idempotency-Key in sourceHeader: cannot tell which attempt the report is about".into())
+        })?
+        .to_owned();
+    let last_error = describe(&report)?;
+    Ok(ParsedReport {
+        outbox_id,
+        deduplication_id,
+        status: report.status,
+        last_error,
+        source_message_id: report.source_message_id,
+        url: report.url,
+    })
+}
+
+/// The first of `names` (lowercase, in order) found in `sourceHeader`, any case.
+fn header_value<'a>(report: &'a FailureReport, names: &[&str]) -> Option<&'a str> {
+    names.iter().find_map(|wanted| {
+        report
+            .source_header
+            .iter()
+            .find(|(name, _)| name.eq_ignore_ascii_case(wanted))
+            .and_then(|(_, v)| v.first())
+    })
 }
 
 /// The outbox id the relay forwarded: a header first, else the `id` of the
 /// JSON envelope in the original body.
-fn outbox_id(report: &FailureReport) -> Result<i64, Rejection> {
-    for wanted in ID_HEADERS {
-        let value = report
-            .source_header
-            .iter()
-            .find(|(name, _)| name.eq_ignore_ascii_case(wanted))
-            .and_then(|(_, v)| v.first());
-        if let Some(value) = value {
-            return value.trim().parse().map_err(|_| {
-                Rejection::BadReport(format!("{wanted} {value:?} is not an outbox id"))
-            });
-        }
+fn outbox_id(report: &FailureReport) -> Result<i64, ReportError> {
+    if let Some(value) = header_value(report, ID_HEADERS) {
+        return value
+            .trim()
+            .parse()
+            .map_err(|_| ReportError(format!("outbox id header {value:?} is not an outbox id")));
     }
     let Some(encoded) = &report.source_body else {
-        return Err(Rejection::BadReport(
+        return Err(ReportError(
             "no X-Outbox-Id in sourceHeader and no sourceBody".into(),
         ));
     };
-    let source = decode_base64(encoded)
-        .ok_or_else(|| Rejection::BadReport("sourceBody is not base64".into()))?;
+    let source =
+        decode_base64(encoded).ok_or_else(|| ReportError("sourceBody is not base64".into()))?;
     let envelope: serde_json::Value = serde_json::from_slice(&source).map_err(|_| {
-        Rejection::BadReport("no X-Outbox-Id in sourceHeader and sourceBody is not JSON".into())
+        ReportError("no X-Outbox-Id in sourceHeader and sourceBody is not JSON".into())
     })?;
     match envelope.get("id") {
         Some(serde_json::Value::Number(n)) => n.as_i64(),
@@ -213,23 +452,18 @@ fn outbox_id(report: &FailureReport) -> Result<i64, Rejection> {
         _ => None,
     }
     .ok_or_else(|| {
-        Rejection::BadReport(
-            "no X-Outbox-Id in sourceHeader and no numeric `id` in sourceBody".into(),
-        )
+        ReportError("no X-Outbox-Id in sourceHeader and no numeric `id` in sourceBody".into())
     })
 }
 
 /// `qstash: status 500 after 3 retries: <response body> (dlqId …)`.
-fn describe(report: &FailureReport) -> Result<String, Rejection> {
+fn describe(report: &FailureReport) -> Result<String, ReportError> {
     let response = match &report.body {
         None => String::new(),
         Some(encoded) => {
-            let bytes = decode_base64(encoded)
-                .ok_or_else(|| Rejection::BadReport("body is not base64".into()))?;
-            String::from_utf8_lossy(&bytes)
-                .chars()
-                .take(MAX_ERROR_BODY_CHARS)
-                .collect()
+            let bytes =
+                decode_base64(encoded).ok_or_else(|| ReportError("body is not base64".into()))?;
+            crate::sink::body_text(&bytes, MAX_ERROR_BODY_CHARS)
         }
     };
     let mut text = format!(
@@ -244,7 +478,9 @@ fn describe(report: &FailureReport) -> Result<String, Rejection> {
     if let Some(dlq_id) = &report.dlq_id {
         text.push_str(&format!(" (dlqId {dlq_id})"));
     }
-    Ok(text)
+    // Storable and readable whatever the destination answered: no control
+    // characters (PostgreSQL refuses NUL in text), bounded.
+    Ok(crate::sink::truncate(text, MAX_ERROR_BODY_CHARS + 200))
 }
 
 /// QStash uses standard base64; accept the URL-safe and unpadded forms too.
@@ -273,9 +509,9 @@ mod tests {
         let r = report(serde_json::json!({"status": 500, "sourceBody": body}));
         assert_eq!(outbox_id(&r).unwrap(), 43);
         let r = report(serde_json::json!({"status": 500, "sourceHeader": {"X-Outbox-Id": ["x"]}}));
-        assert!(matches!(outbox_id(&r), Err(Rejection::BadReport(_))));
+        assert!(outbox_id(&r).is_err());
         let r = report(serde_json::json!({"status": 500}));
-        assert!(matches!(outbox_id(&r), Err(Rejection::BadReport(_))));
+        assert!(outbox_id(&r).is_err());
     }
 
     #[test]
@@ -286,7 +522,22 @@ mod tests {
         }));
         let text = describe(&r).unwrap();
         assert!(text.starts_with("qstash: status 502 after 3 retries: éé"));
-        assert!(text.ends_with("é (dlqId 17-0)"));
+        assert!(text.ends_with("é… (dlqId 17-0)"), "{text}");
         assert_eq!(text.matches('é').count(), MAX_ERROR_BODY_CHARS);
+    }
+
+    #[test]
+    fn last_error_from_a_binary_answer_is_storable_text() {
+        let r = report(serde_json::json!({
+            "status": 500, "retried": 3,
+            "body": STANDARD.encode(b"oops\x00 \x1b[31m\xff\xfe"), "dlqId": "1\u{0}7"
+        }));
+        let text = describe(&r).unwrap();
+        // PostgreSQL refuses NUL in text: the dead letter would not be recorded.
+        assert!(!text.chars().any(char::is_control), "{text:?}");
+        assert!(
+            text.starts_with("qstash: status 500 after 3 retries: (binary body of 13 bytes"),
+            "{text:?}"
+        );
     }
 }

@@ -84,15 +84,27 @@ pub async fn serve(
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
-    let task = tokio::spawn(async move {
+    Ok((local, spawn_server(listener, router, shutdown)))
+}
+
+/// Serves `router` on `listener` in a task until `shutdown` resolves.
+pub fn spawn_server<L>(
+    listener: L,
+    router: Router,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> tokio::task::JoinHandle<()>
+where
+    L: axum::serve::Listener,
+    L::Addr: std::fmt::Debug,
+{
+    tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, router)
             .with_graceful_shutdown(shutdown)
             .await
         {
             tracing::error!(error = %e, "HTTP server failed");
         }
-    });
-    Ok((local, task))
+    })
 }
 
 /// Every `interval`: samples the backlog gauges (one query), and decides

@@ -268,7 +268,10 @@ pub fn destination(route: &Route, row: &OutboxRow) -> Result<String, Outcome> {
         _ => Err(Outcome::Dead {
             reason: DeadReason::BadDestination,
             error: truncate(
-                format!("destination `{url}` is not a valid URL"),
+                format!(
+                    "destination `{}` is not a valid URL",
+                    crate::redact::url(&url)
+                ),
                 MAX_ERROR_CHARS,
             ),
         }),

@@ -1,4 +1,5 @@
-//! Publishing to QStash exactly as the official SDK does (`qstash.md` §1–2):
+//! Publishing to QStash with the requests the official SDK sends
+//! (docs/qstash-protocol.md):
 //! `POST /v2/batch` with many messages per request (the throughput path), or
 //! `POST /v2/publish/{destination}` one by one.
 
@@ -67,6 +68,7 @@ const RELAY_HEADERS: &[&str] = &[
     "upstash-failure-callback",
     "upstash-forward-x-outbox-id",
     "upstash-forward-x-event-id",
+    "upstash-forward-x-outbox-idempotency-key",
 ];
 
 impl QstashSink {
@@ -115,6 +117,11 @@ impl QstashSink {
         let id = row.id.to_string();
         headers.push(("upstash-forward-x-outbox-id".into(), id.clone()));
         headers.push(("upstash-forward-x-event-id".into(), id));
+        // Failure reports echo it: the callback marks only this attempt.
+        headers.push((
+            "upstash-forward-x-outbox-idempotency-key".into(),
+            row.idempotency_key.clone(),
+        ));
         // The SDK forwards user headers with the `Upstash-Forward-` prefix,
         // lower-cased, except content-type and upstash-* which pass as they
         // are. A row's header replaces ours of the same name (content-type,

@@ -163,7 +163,10 @@ pub fn request(
         .map_err(|e| Outcome::Dead {
             reason: DeadReason::BadDestination,
             error: super::truncate(
-                format!("cannot build a request to `{url}`: {e}"),
+                format!(
+                    "cannot build a request to `{}`: {e}",
+                    crate::redact::url(&url)
+                ),
                 super::MAX_ERROR_CHARS,
             ),
         })

@@ -15,6 +15,16 @@ use uuid::Uuid;
 
 pub const TOKEN: &str = "test-token";
 
+/// A JWT (an `Upstash-Signature`) from the `jsonwebtoken` crate, not from our code.
+pub fn jwt(key: &str, claims: &serde_json::Value, alg: jsonwebtoken::Algorithm) -> String {
+    jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(alg),
+        claims,
+        &jsonwebtoken::EncodingKey::from_secret(key.as_bytes()),
+    )
+    .unwrap()
+}
+
 /// A relay config for tests: short lease and poll so recovery paths run fast.
 pub fn config(db: &TestDb, sink_url: &str, routes: &str) -> Config {
     Config::from_toml_str(&config_toml(db, sink_url, routes)).expect("test config")

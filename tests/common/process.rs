@@ -63,3 +63,19 @@ impl Drop for RelayProcess {
         let _ = self.child.wait();
     }
 }
+
+/// Clears the variables that override a config file's settings, so a test's
+/// config is what the child runs with whatever the test's environment holds.
+pub fn without_config_env(command: &mut Command) -> &mut Command {
+    for name in [
+        "DATABASE_URL",
+        "QSTASH_URL",
+        "QSTASH_TOKEN",
+        "QSTASH_CURRENT_SIGNING_KEY",
+        "QSTASH_NEXT_SIGNING_KEY",
+        "OUTBOX_RELAY_LOG_FORMAT",
+    ] {
+        command.env_remove(name);
+    }
+    command
+}

@@ -4,7 +4,8 @@
 //!
 //! - `POST /v2/publish/{destination}`: the destination is everything after
 //!   `/v2/publish/`, a full `http(s)://` URL, with the request's query string
-//!   minus `qstash_token` and `upstash-*` keys (as QStash's local emulator does).
+//!   minus `qstash_token` and `upstash-*` keys (QStash does not document this:
+//!   docs/qstash-protocol.md, "The load-test sink").
 //!   Fresh message: `200 {"messageId":"msg_…","url":…,"deduplicated":false}`;
 //!   repeated `Upstash-Deduplication-Id` within the window (or repeated
 //!   content with `Upstash-Content-Based-Deduplication: true`):

@@ -78,7 +78,8 @@ mod tests {
 
     #[test]
     fn matches_the_reference_test_vector() {
-        // Upstash's published test vector: fixed claims signed with the dev current key.
+        // The test vector of docs/qstash-protocol.md: fixed claims signed with
+        // the dev server's current key.
         let claims = SignatureClaims {
             iss: "Upstash".into(),
             sub: "https://example.com/api".into(),

@@ -1,0 +1,242 @@
+//! Hides credentials in what the relay prints: passwords in URLs
+//! (`user:secret@`), secret-looking query parameters (`?password=`,
+//! `?token=`, `?qstash_token=`, `?sig=` …) and the `password` of a libpq
+//! keyword connection string (`host=… password=…`).
+
+use percent_encoding::percent_decode_str;
+
+pub const REDACTED: &str = "<redacted>";
+
+/// Parameter and keyword names (lower-case substrings) whose values are hidden.
+const SECRET_NAMES: &[&str] = &[
+    "password",
+    "passwd",
+    "pwd",
+    "pass",
+    "secret",
+    "token",
+    "key",
+    "sig",
+    "auth",
+    "credential",
+    "session",
+];
+
+fn is_secret_name(name: &str) -> bool {
+    let name = percent_decode_str(name).decode_utf8_lossy().to_lowercase();
+    SECRET_NAMES.iter().any(|s| name.contains(s))
+}
+
+/// A database URL or libpq keyword string, fit to print: the user name is
+/// kept, every password is hidden.
+pub fn database_url(dsn: &str) -> String {
+    if dsn.contains("://") {
+        redact_url(dsn, false)
+    } else {
+        keyword_dsn(dsn)
+    }
+}
+
+/// An HTTP URL fit to print: a password in it is hidden, and so is a bare
+/// user name (`https://TOKEN@host` carries a token that way); so are the
+/// values of secret-looking query parameters.
+pub fn url(url: &str) -> String {
+    redact_url(url, true)
+}
+
+/// `message` with every occurrence of `url` replaced by [`url`]'s redacted form.
+pub fn url_in(message: &str, raw: &str) -> String {
+    if raw.is_empty() {
+        return message.to_owned();
+    }
+    message.replace(raw, &url(raw))
+}
+
+fn redact_url(url: &str, hide_bare_user: bool) -> String {
+    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
+        return url.to_owned();
+    };
+    let rest = &url[scheme_end..];
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let authority = &rest[..authority_end];
+    let mut out = String::with_capacity(url.len() + REDACTED.len());
+    out.push_str(&url[..scheme_end]);
+    match authority.rfind('@') {
+        Some(at) => {
+            let userinfo = &authority[..at];
+            match userinfo.find(':') {
+                Some(colon) => {
+                    out.push_str(&userinfo[..=colon]);
+                    out.push_str(REDACTED);
+                }
+                None if hide_bare_user => out.push_str(REDACTED),
+                None => out.push_str(userinfo),
+            }
+            out.push_str(&authority[at..]);
+        }
+        None => out.push_str(authority),
+    }
+    out.push_str(&redact_query(&rest[authority_end..]));
+    out
+}
+
+/// `path?a=1&token=x#f` → `path?a=1&token=<redacted>#f`.
+fn redact_query(tail: &str) -> String {
+    let (before_fragment, fragment) = match tail.find('#') {
+        Some(i) => tail.split_at(i),
+        None => (tail, ""),
+    };
+    let Some((path, query)) = before_fragment.split_once('?') else {
+        return tail.to_owned();
+    };
+    let query: Vec<String> = query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((name, _)) if is_secret_name(name) => format!("{name}={REDACTED}"),
+            _ => pair.to_owned(),
+        })
+        .collect();
+    format!("{path}?{}{fragment}", query.join("&"))
+}
+
+/// libpq's `key = value` list: values unquoted (backslash escapes) or in
+/// single quotes (`\'` and `\\` inside). Something that does not parse is
+/// hidden from there on rather than printed.
+fn keyword_dsn(dsn: &str) -> String {
+    let chars: Vec<char> = dsn.chars().collect();
+    let n = chars.len();
+    let text = |from: usize, to: usize| chars[from..to].iter().collect::<String>();
+    let mut out = String::with_capacity(dsn.len());
+    let mut i = 0;
+    loop {
+        let start = i;
+        while i < n && chars[i].is_whitespace() {
+            i += 1;
+        }
+        out.push_str(&text(start, i));
+        if i >= n {
+            return out;
+        }
+        let key_start = i;
+        while i < n && chars[i] != '=' && !chars[i].is_whitespace() {
+            i += 1;
+        }
+        let key = text(key_start, i);
+        let separator_start = i;
+        while i < n && chars[i].is_whitespace() {
+            i += 1;
+        }
+        if i >= n || chars[i] != '=' {
+            out.push_str(REDACTED);
+            return out;
+        }
+        i += 1;
+        while i < n && chars[i].is_whitespace() {
+            i += 1;
+        }
+        out.push_str(&key);
+        out.push_str(&text(separator_start, i));
+        let value_start = i;
+        if i < n && chars[i] == '\'' {
+            i += 1;
+            while i < n && chars[i] != '\'' {
+                i += if chars[i] == '\\' { 2 } else { 1 };
+            }
+            i += 1;
+        } else {
+            while i < n && !chars[i].is_whitespace() {
+                i += if chars[i] == '\\' { 2 } else { 1 };
+            }
+        }
+        let i_end = i.min(n);
+        if is_secret_name(&key) {
+            out.push_str(REDACTED);
+        } else {
+            out.push_str(&text(value_start, i_end));
+        }
+        i = i_end;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn database_urls_keep_the_user_and_hide_every_password() {
+        for (input, want) in [
+            (
+                "postgres://app:s3cret@db:5432/app",
+                "postgres://app:<redacted>@db:5432/app",
+            ),
+            ("postgres://app@db/app", "postgres://app@db/app"),
+            (
+                "postgresql://app@db/app?sslmode=require&password=s3cret",
+                "postgresql://app@db/app?sslmode=require&password=<redacted>",
+            ),
+            (
+                "postgres://db/app?user=app&sslpassword=s3cret",
+                "postgres://db/app?user=app&sslpassword=<redacted>",
+            ),
+            (
+                "postgres://app:p@ss@db?PASS%77ORD=s3cret",
+                "postgres://app:<redacted>@db?PASS%77ORD=<redacted>",
+            ),
+            (
+                "host=db user=app password=s3cret dbname=app",
+                "host=db user=app password=<redacted> dbname=app",
+            ),
+            (
+                "host=db password = 'with \\' quote and spaces' dbname=app",
+                "host=db password = <redacted> dbname=app",
+            ),
+            ("password=s3\\ cret host=db", "password=<redacted> host=db"),
+            (
+                "host=db sslpassword=s3cret",
+                "host=db sslpassword=<redacted>",
+            ),
+            ("host=db s3cret-without-equals", "host=db <redacted>"),
+            (
+                "host=db password='unterminated s3cret",
+                "host=db password=<redacted>",
+            ),
+            ("", ""),
+        ] {
+            let got = database_url(input);
+            assert_eq!(got, want, "{input}");
+            if input.contains("s3cret") && !want.contains("s3cret") {
+                assert!(!got.contains("s3cret"), "{got}");
+            }
+        }
+    }
+
+    #[test]
+    fn http_urls_hide_user_info_and_secret_query_values() {
+        for (input, want) in [
+            (
+                "https://u:s3cret@hooks.example.com/x?a=1",
+                "https://u:<redacted>@hooks.example.com/x?a=1",
+            ),
+            (
+                "https://s3cret@hooks.example.com/x",
+                "https://<redacted>@hooks.example.com/x",
+            ),
+            (
+                "https://qstash.example.com/?qstash_token=s3cret",
+                "https://qstash.example.com/?qstash_token=<redacted>",
+            ),
+            (
+                "https://h.example.com/in/{event_type}?Signature=s3cret&api_key=s3cret&b=2#frag",
+                "https://h.example.com/in/{event_type}?Signature=<redacted>&api_key=<redacted>&b=2#frag",
+            ),
+            (
+                "https://h.example.com?access_token=s3cret",
+                "https://h.example.com?access_token=<redacted>",
+            ),
+            ("https://h.example.com/a@b", "https://h.example.com/a@b"),
+            ("not a url", "not a url"),
+        ] {
+            assert_eq!(url(input), want, "{input}");
+        }
+    }
+}

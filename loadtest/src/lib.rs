@@ -12,6 +12,7 @@
 //! [`runner::run_scenario`] ties them together for a [`scenario::Scenario`]
 //! file; [`sink`] is usable on its own by the relay's tests.
 
+pub mod adversarial;
 pub mod ceiling;
 pub mod metrics;
 pub mod procstat;

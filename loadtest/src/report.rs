@@ -10,6 +10,7 @@ use std::path::Path;
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
+use crate::adversarial::AdversarialReport;
 use crate::metrics::ReplicaMetrics;
 use crate::procstat::RelayUsage;
 use crate::producer::ProduceStats;
@@ -131,6 +132,101 @@ impl ChaosStats {
     }
 }
 
+/// The adversarial scenario's lines of the table.
+fn adversarial_rows(
+    rows: &mut Vec<(&str, String)>,
+    a: &AdversarialReport,
+    faults: &BTreeMap<String, u64>,
+) {
+    let by_kind = |prefix: &str| -> (u64, String) {
+        let picked: Vec<(&String, &u64)> = faults
+            .iter()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .collect();
+        let total = picked.iter().map(|(_, n)| **n).sum();
+        let each: Vec<String> = picked
+            .iter()
+            .map(|(k, n)| format!("{} {n}", k.trim_start_matches(prefix)))
+            .collect();
+        (total, each.join(", "))
+    };
+    for (label, prefix) in [
+        ("random statuses", "status_"),
+        ("garbled 2xx", "garbled_"),
+        ("outage requests", "outage_"),
+    ] {
+        let (total, each) = by_kind(prefix);
+        rows.push((label, format!("{total} ({each})")));
+    }
+    let get = |k: &str| faults.get(k).copied().unwrap_or(0);
+    rows.push((
+        "other answers",
+        format!(
+            "cut off {}, oversized {}, with NUL/invalid UTF-8 {}",
+            get("cut_off"),
+            get("oversized"),
+            get("nul_body")
+        ),
+    ));
+    let outages: Vec<String> = a
+        .outages
+        .iter()
+        .map(|o| {
+            format!(
+                "{} {:.1}-{:.1} s{}",
+                o.kind.as_str(),
+                o.from_secs,
+                o.from_secs + o.secs,
+                o.resumed_after_secs
+                    .map(|r| format!(" (resumed {r:.1} s after)"))
+                    .unwrap_or_default()
+            )
+        })
+        .collect();
+    rows.push((
+        "outages",
+        format!("{}: {}", outages.len(), outages.join("; ")),
+    ));
+    let n = &a.answers;
+    rows.push((
+        "sink answers/message",
+        format!(
+            "accepted {}, taken but unreadable {}, rejected {}, failed {}",
+            n.accepted, n.accepted_unread, n.rejected, n.failed
+        ),
+    ));
+    rows.push((
+        "published unaccepted",
+        a.published_unaccepted.len().to_string(),
+    ));
+    let reasons: Vec<String> = a
+        .dead_letter_reasons
+        .iter()
+        .map(|(r, n)| format!("{r} {n}"))
+        .collect();
+    rows.push((
+        "dead letters",
+        format!(
+            "{} justified, {} not ({})",
+            a.justified_dead_letters.len(),
+            a.unjustified_dead_letters.len(),
+            reasons.join(", ")
+        ),
+    ));
+    rows.push(("unsettled", a.unsettled.len().to_string()));
+    rows.push((
+        "longest stall",
+        format!(
+            "{:.1} s from {:.1} s; outside outages {:.1} s from {:.1} s (lease {:.1} s)",
+            a.longest_stall.secs,
+            a.longest_stall.from_secs,
+            a.longest_charged_stall.secs,
+            a.longest_charged_stall.from_secs,
+            a.lease_secs
+        ),
+    ));
+}
+
 /// `"<total> (r0 a, r1 b, …)"`, or just the total with one replica.
 fn per_replica(total: u64, each: impl Iterator<Item = u64>) -> String {
     let each: Vec<String> = each.enumerate().map(|(i, n)| format!("r{i} {n}")).collect();
@@ -211,6 +307,9 @@ pub struct Report {
     pub replica_metrics: Vec<ReplicaMetrics>,
     #[serde(default)]
     pub vacuum: Option<VacuumReport>,
+    /// The adversarial scenario's checks.
+    #[serde(default)]
+    pub adversarial: Option<AdversarialReport>,
     pub passed: bool,
     pub failures: Vec<String>,
     pub verification: Verification,
@@ -318,6 +417,7 @@ impl Report {
             replicas: 1,
             replica_metrics: Vec::new(),
             vacuum: None,
+            adversarial: None,
             passed: failures.is_empty(),
             failures,
             verification: input.verification,
@@ -398,6 +498,13 @@ impl Report {
                         + self.sink.resets
                         + self.sink.lost_responses
                         + self.sink.element_errors
+                        + self
+                            .sink
+                            .adversarial
+                            .iter()
+                            .filter(|(k, _)| *k != "nul_body")
+                            .map(|(_, n)| n)
+                            .sum::<u64>()
                 ),
             ),
         ];
@@ -484,6 +591,9 @@ impl Report {
                     None => format!("NOT under {} within the watch", vac.dead_tuples_below),
                 },
             ));
+        }
+        if let Some(a) = &self.adversarial {
+            adversarial_rows(&mut rows, a, &self.sink.adversarial);
         }
         let width = rows
             .iter()

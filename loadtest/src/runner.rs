@@ -30,6 +30,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::sync::{watch, Mutex};
 
+use crate::adversarial::{self, ProgressSample};
 use crate::metrics::ReplicaMetrics;
 use crate::procstat::UsageTracker;
 use crate::producer::{self, ProduceProgress, ProduceStats, APPLICATION_NAME};
@@ -37,7 +38,7 @@ use crate::relay::{RelayCommand, RelayError, RelayProcess, RelayProgram};
 use crate::report::{ChaosStats, DeadTuplePoint, Report, ReportInput, VacuumReport};
 use crate::scenario::{replica_config_toml, ChaosSpec, Scenario, ScenarioKind, VacuumWatchSpec};
 use crate::sink::{Sink, SinkConfig};
-use crate::verify::{verify, VerifyOptions};
+use crate::verify::{load_rows, verify, verify_rows, VerifyOptions};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
@@ -252,6 +253,31 @@ async fn watch_dead_tuples(
     }
 }
 
+/// Samples settled and pending rows every [`adversarial::SAMPLE_EVERY`] until `stop`.
+fn sample_progress(
+    client: tokio_postgres::Client,
+    samples: Arc<StdMutex<Vec<ProgressSample>>>,
+    mut stop: watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(adversarial::SAMPLE_EVERY);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.wait_for(|s| *s) => break,
+            }
+            match client.query_one(adversarial::PROGRESS, &[]).await {
+                Ok(row) => samples.lock().expect("samples lock").push(ProgressSample {
+                    at_us: now_us(),
+                    settled: row.get(0),
+                    pending: row.get(1),
+                }),
+                Err(e) => tracing::warn!(error = %e, "progress sample"),
+            }
+        }
+    })
+}
+
 /// Every client backend of this database but the harness's own.
 const TERMINATE_RELAY_BACKENDS: &str = "SELECT count(pg_terminate_backend(pid))
 FROM pg_stat_activity
@@ -326,14 +352,16 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
     .await
     .map_err(|e| setup("sink")(&e))?;
     let mut replicas = Vec::with_capacity(s.replicas as usize);
+    let mut lease = Duration::ZERO;
     for (i, port) in (0..s.replicas).zip(free_ports(s.replicas as usize)?) {
         let config = opts
             .out_dir
             .join(replica_file_name("relay", "toml", i, s.replicas));
-        std::fs::write(
-            &config,
-            replica_config_toml(s, sink.addr().port(), port, i)?,
-        )?;
+        let text = replica_config_toml(s, sink.addr().port(), port, i)?;
+        let parsed: outbox_relay::Config =
+            toml::from_str(&text).map_err(|e| setup("relay config")(&e))?;
+        lease = lease.max(parsed.relay.lease);
+        std::fs::write(&config, text)?;
         let cmd = RelayCommand {
             bin: opts.relay.bin.clone(),
             args: opts.relay.args.clone(),
@@ -436,6 +464,18 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
             }
         })
     };
+    let adversarial = s.kind == ScenarioKind::Adversarial;
+    let progress_samples = Arc::new(StdMutex::new(Vec::new()));
+    let progress_sampler = if adversarial {
+        let client = producer::connect(&db.url).await?;
+        Some(sample_progress(
+            client,
+            Arc::clone(&progress_samples),
+            stop_rx.clone(),
+        ))
+    } else {
+        None
+    };
     // Chaos lasts as long as the load; the drain after it runs undisturbed.
     let (chaos_tx, chaos_rx) = watch::channel(false);
     let chaos = match (&s.kind, &s.chaos) {
@@ -451,6 +491,8 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
     let mut failures = Vec::new();
     if let Some(load) = &s.load {
         bar.set_message("producing");
+        // The outage schedule counts from the start of the load.
+        sink.start_outages();
         let producing = producer::produce(
             &db.url,
             load,
@@ -520,6 +562,9 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
 
     stop_tx.send_replace(true);
     let _ = sampler.await;
+    if let Some(task) = progress_sampler {
+        let _ = task.await;
+    }
     // One scrape of each replica's /metrics, then SIGTERM them all at once.
     let replica_metrics = futures_util::future::join_all(replicas.iter().map(|r| async move {
         let text = crate::metrics::scrape(r.metrics_port, Duration::from_secs(3)).await;
@@ -583,13 +628,43 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
 
     let records = sink.records();
     let sink_stats = sink.stats();
+    let answers = sink.answers();
+    let outages = sink.outages();
     sink.stop().await;
-    let opts_verify = VerifyOptions {
+    let mut opts_verify = VerifyOptions {
         ordered: s.ordered(),
         poison_ids: s.sink.faults.poison_ids.clone(),
         poison_marker: s.sink.faults.poison_marker,
+        may_dead_letter: Default::default(),
     };
-    let (verification, rows) = verify(&admin, &records, &opts_verify).await?;
+    let (verification, rows, adversarial_report) = if adversarial {
+        let rows = load_rows(&admin).await?;
+        let dead_lettered_at: Vec<(i64, i64)> = admin
+            .query(adversarial::DEAD_LETTERED_AT, &[])
+            .await?
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+        let samples = std::mem::take(&mut *progress_samples.lock().expect("samples lock"));
+        let checked = adversarial::check(&adversarial::CheckInput {
+            rows: &rows,
+            dead_lettered_at: &dead_lettered_at,
+            answers: &answers,
+            outages: &outages,
+            samples: &samples,
+            lease,
+            origin_us,
+        });
+        opts_verify.may_dead_letter = adversarial::justified(&checked);
+        (
+            verify_rows(&rows, &records, &opts_verify),
+            rows,
+            Some(checked),
+        )
+    } else {
+        let (v, rows) = verify(&admin, &records, &opts_verify).await?;
+        (v, rows, None)
+    };
     let dead_tuples: i64 = admin.query_one(DEAD_TUPLES, &[]).await?.get(0);
     let relay_usage = usage.lock().expect("usage lock").usage();
     let mut report = Report::build(ReportInput {
@@ -607,6 +682,10 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
     report.replicas = s.replicas;
     report.replica_metrics = replica_metrics;
     report.vacuum = vacuum;
+    if let Some(a) = adversarial_report {
+        failures.extend(a.failures());
+        report.adversarial = Some(a);
+    }
     if !failures.is_empty() {
         report.failures.extend(failures);
         report.passed = false;

@@ -22,6 +22,11 @@ pub enum ScenarioKind {
     Chaos,
     /// Steady load with a fraction of poison events.
     Poison,
+    /// Steady load while the sink runs its adversarial fault mode
+    /// (`[sink.faults.adversarial]`): random statuses, unreadable answers,
+    /// NUL bodies, hangs, resets and sink-wide outages; checked by
+    /// [`crate::adversarial`].
+    Adversarial,
 }
 
 /// Kill and pause relay replicas and cut their database connections at
@@ -248,13 +253,21 @@ impl Scenario {
             ScenarioKind::Drain if self.preload.is_none() => {
                 return Err(invalid("a drain scenario needs [preload]".into()))
             }
-            ScenarioKind::Steady | ScenarioKind::Chaos | ScenarioKind::Poison
+            ScenarioKind::Steady
+            | ScenarioKind::Chaos
+            | ScenarioKind::Poison
+            | ScenarioKind::Adversarial
                 if self.load.is_none() =>
             {
                 return Err(invalid(format!("a {:?} scenario needs [load]", self.kind)))
             }
             ScenarioKind::Chaos if self.chaos.is_none() => {
                 return Err(invalid("a chaos scenario needs [chaos]".into()))
+            }
+            ScenarioKind::Adversarial if self.sink.faults.adversarial.is_none() => {
+                return Err(invalid(
+                    "an adversarial scenario needs [sink.faults.adversarial]".into(),
+                ))
             }
             ScenarioKind::Poison => {
                 let fraction = self.load.as_ref().map_or(0.0, |l| l.mix.poison_fraction);

@@ -8,7 +8,9 @@
 //! - in ordered scenarios, within a partition key, first receipts come in id
 //!   order;
 //! - every poison row is dead-lettered with a reason and was never accepted;
-//! - non-poison rows are not dead-lettered;
+//! - non-poison rows are not dead-lettered, except those the options allow
+//!   (`may_dead_letter`: the adversarial scenario's justified dead letters,
+//!   see [`crate::adversarial`]), which then need not be received either;
 //! - no pending row (neither published nor dead-lettered) holds a live lease
 //!   (`locked_until > now()`). A dead-lettered row is final, so its lease
 //!   column is not checked.
@@ -80,6 +82,10 @@ pub struct VerifyOptions {
     pub poison_ids: BTreeSet<i64>,
     /// Rows whose payload has `"poison": true` are poison (the sink's `poison_marker`).
     pub poison_marker: bool,
+    /// Rows that may be dead-lettered (and then need not be received): the
+    /// adversarial scenario's justified dead letters.
+    #[serde(default)]
+    pub may_dead_letter: BTreeSet<i64>,
 }
 
 /// A receipt whose deduplication id is not its row's idempotency key.
@@ -142,7 +148,8 @@ pub struct Verification {
     pub received_not_marked: u64,
 }
 
-fn sample(ids: &[i64]) -> String {
+/// Up to 20 ids, and how many in all when there are more.
+pub fn sample_ids(ids: &[i64]) -> String {
     const SHOW: usize = 20;
     let shown: Vec<String> = ids.iter().take(SHOW).map(|i| i.to_string()).collect();
     if ids.len() > SHOW {
@@ -160,7 +167,7 @@ impl Verification {
             f.push(format!(
                 "{} committed events never received: ids {}",
                 self.missing.len(),
-                sample(&self.missing)
+                sample_ids(&self.missing)
             ));
         }
         if !self.wrong_dedup_id.is_empty() {
@@ -168,7 +175,7 @@ impl Verification {
             f.push(format!(
                 "{} receipts without their row's idempotency key as deduplication id: ids {}",
                 ids.len(),
-                sample(&ids)
+                sample_ids(&ids)
             ));
         }
         if self.unknown_records > 0 {
@@ -193,31 +200,31 @@ impl Verification {
         if !p.not_dead_lettered.is_empty() {
             f.push(format!(
                 "poison events not dead-lettered: ids {}",
-                sample(&p.not_dead_lettered)
+                sample_ids(&p.not_dead_lettered)
             ));
         }
         if !p.without_reason.is_empty() {
             f.push(format!(
                 "poison events dead-lettered without a reason: ids {}",
-                sample(&p.without_reason)
+                sample_ids(&p.without_reason)
             ));
         }
         if !p.accepted.is_empty() {
             f.push(format!(
                 "poison events accepted by the sink: ids {}",
-                sample(&p.accepted)
+                sample_ids(&p.accepted)
             ));
         }
         if !self.unexpected_dead_letters.is_empty() {
             f.push(format!(
                 "events dead-lettered that should have been delivered: ids {}",
-                sample(&self.unexpected_dead_letters)
+                sample_ids(&self.unexpected_dead_letters)
             ));
         }
         if !self.live_leases.is_empty() {
             f.push(format!(
                 "pending events still under a live lease: ids {}",
-                sample(&self.live_leases)
+                sample_ids(&self.live_leases)
             ));
         }
         f
@@ -316,10 +323,11 @@ pub fn verify_rows(rows: &[OutboxRow], records: &[Record], opts: &VerifyOptions)
             }
         } else {
             v.expected += 1;
-            if !received {
+            let excused = row.dead_lettered && opts.may_dead_letter.contains(&row.id);
+            if !received && !excused {
                 v.missing.push(row.id);
             }
-            if row.dead_lettered {
+            if row.dead_lettered && !excused {
                 v.unexpected_dead_letters.push(row.id);
             }
         }

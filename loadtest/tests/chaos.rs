@@ -17,11 +17,11 @@
 //! this package's `loadtest` binary (`CARGO_BIN_EXE_loadtest embedded-relay`),
 //! which cargo always builds for this package's tests.
 
-use std::path::PathBuf;
+mod common;
+
 use std::time::Duration;
 
-use loadtest::relay::{locate_relay, RelayProgram};
-use loadtest::runner::{run_scenario, RunOptions};
+use common::{run_in_test, TestRun};
 use loadtest::scenario::Scenario;
 
 const SCENARIO: &str = r#"
@@ -148,52 +148,13 @@ shutdown_grace = "5s"
 /// One chaos run at a time: they would otherwise share two cores.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-fn relay() -> RelayProgram {
-    if let Some(bin) = std::env::var_os("OUTBOX_RELAY_BIN") {
-        return RelayProgram::binary(PathBuf::from(bin));
-    }
-    let found = locate_relay(
-        &std::env::current_exe().unwrap(),
-        loadtest::relay::compiled_sources().as_deref(),
-    );
-    if found.is_embedded() {
-        RelayProgram::embedded(env!("CARGO_BIN_EXE_loadtest"))
-    } else {
-        found
-    }
-}
-
-/// `TEST_DATABASE_URL`, else the local default server when it answers, else
-/// `None` (the runner starts a throwaway cluster).
-async fn server_url() -> Option<String> {
-    let url = std::env::var("TEST_DATABASE_URL")
-        .unwrap_or_else(|_| outbox_relay::testkit::DEFAULT_SERVER_URL.to_owned());
-    let probe = tokio::time::timeout(Duration::from_secs(5), outbox_relay::db::connect(&url));
-    matches!(probe.await, Ok(Ok(_))).then_some(url)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_loses_nothing_and_every_duplicate_keeps_its_dedup_id() {
     let _serial = SERIAL.lock().await;
     let scenario = Scenario::from_toml_str(SCENARIO).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let mut opts = RunOptions::new(dir.path().join("out"));
-    opts.relay = relay();
-    opts.progress = false;
-    opts.database_url = server_url().await;
-    eprintln!("relay under test: {}", opts.relay.describe());
-
-    let run = tokio::time::timeout(Duration::from_secs(600), run_scenario(&scenario, &opts));
-    let report = run
-        .await
-        .expect("the chaos run did not finish within 10 minutes")
-        .unwrap();
-    let log = std::fs::read_to_string(opts.out_dir.join("relay.log")).unwrap_or_default();
-    let tail: String = {
-        let lines: Vec<&str> = log.lines().collect();
-        lines[lines.len().saturating_sub(40)..].join("\n")
-    };
-    let context = format!("{}\nrelay.log (last lines):\n{tail}", report.table());
+    let TestRun {
+        report, context, ..
+    } = run_in_test(&scenario, Duration::from_secs(600), 40).await;
 
     let v = &report.verification;
     assert!(report.rows > 0 && v.expected == report.rows, "{context}");
@@ -220,43 +181,17 @@ async fn chaos_loses_nothing_and_every_duplicate_keeps_its_dedup_id() {
     );
 }
 
-/// The last lines of every replica's log, for a failure message.
-fn log_tails(dir: &std::path::Path, replicas: u32) -> String {
-    let mut out = String::new();
-    for i in 0..replicas {
-        let name = loadtest::runner::replica_file_name("relay", "log", i, replicas);
-        let log = std::fs::read_to_string(dir.join(&name)).unwrap_or_default();
-        let lines: Vec<&str> = log.lines().collect();
-        out += &format!(
-            "\n{name} (last lines):\n{}",
-            lines[lines.len().saturating_sub(15)..].join("\n")
-        );
-    }
-    out
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_killed_and_paused_lose_nothing_and_keep_key_order() {
     let _serial = SERIAL.lock().await;
     let scenario = Scenario::from_toml_str(REPLICAS_SCENARIO).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let mut opts = RunOptions::new(dir.path().join("out"));
-    opts.relay = relay();
-    opts.progress = false;
-    opts.database_url = server_url().await;
-    eprintln!("relay under test: {}", opts.relay.describe());
-
     let started = std::time::Instant::now();
-    let run = tokio::time::timeout(Duration::from_secs(600), run_scenario(&scenario, &opts));
-    let report = run
-        .await
-        .expect("the chaos run did not finish within 10 minutes")
-        .unwrap();
-    let context = format!(
-        "{}{}",
-        report.table(),
-        log_tails(&opts.out_dir, scenario.replicas)
-    );
+    let TestRun {
+        report,
+        context,
+        out_dir,
+        dir: _dir,
+    } = run_in_test(&scenario, Duration::from_secs(600), 15).await;
     eprintln!("{}\nwall time {:.1?}", report.table(), started.elapsed());
 
     let v = &report.verification;
@@ -277,7 +212,7 @@ async fn three_replicas_killed_and_paused_lose_nothing_and_keep_key_order() {
     for i in 0..3 {
         for ext in ["toml", "log"] {
             let f = loadtest::runner::replica_file_name("relay", ext, i, 3);
-            assert!(opts.out_dir.join(&f).is_file(), "{f}: {context}");
+            assert!(out_dir.join(&f).is_file(), "{f}: {context}");
         }
     }
     let ports: std::collections::BTreeSet<u16> = report

@@ -21,6 +21,7 @@ fn every_shipped_scenario_loads_and_configures_the_relay() {
         ("drain-ordered.toml", ScenarioKind::Drain),
         ("bloat.toml", ScenarioKind::Drain),
         ("bloat-held.toml", ScenarioKind::Drain),
+        ("adversarial.toml", ScenarioKind::Adversarial),
     ] {
         let s = Scenario::load(&dir().join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
         assert_eq!(s.kind, kind, "{file}");
@@ -62,6 +63,28 @@ fn every_shipped_scenario_loads_and_configures_the_relay() {
         ordered.preload, unordered.preload,
         "twins: the same backlog"
     );
+    let adv = Scenario::load(&dir().join("adversarial.toml")).unwrap();
+    let relay: outbox_relay::Config =
+        toml::from_str(&relay_config_toml(&adv, 40000, 40001).unwrap()).unwrap();
+    let faults = &adv.sink.faults;
+    let a = faults
+        .adversarial
+        .as_ref()
+        .expect("the adversarial mode is on");
+    assert!(faults.hang_for > relay.http.request_timeout);
+    assert!(
+        a.oversized_bytes > relay.http.max_response_bytes
+            && a.oversized_bytes > relay.qstash.batch_size as usize * 1024,
+        "oversized answers are more than the relay reads"
+    );
+    let load = adv.load.as_ref().unwrap();
+    assert!(load.duration >= std::time::Duration::from_secs(60));
+    let kinds: std::collections::BTreeSet<_> = a.outages.iter().map(|o| o.kind).collect();
+    assert_eq!(kinds.len(), 6, "every outage kind: {kinds:?}");
+    assert!(a
+        .outages
+        .iter()
+        .all(|o| o.at + o.duration < load.duration && o.duration < relay.relay.lease));
     let held = Scenario::load(&dir().join("bloat-held.toml")).unwrap();
     let free = Scenario::load(&dir().join("bloat.toml")).unwrap();
     assert!(held.hold_snapshot && !free.hold_snapshot);

@@ -8,7 +8,8 @@ use common::{bearer, post, Answer, Receiver};
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use loadtest::sink::signing::{body_hash, SignatureClaims};
 use loadtest::sink::{
-    DeliveryConfig, FaultConfig, Sink, SinkConfig, SinkHandle, DEV_CURRENT_SIGNING_KEY, DEV_TOKEN,
+    AdversarialConfig, AnswerEvent, AnswerKind, DeliveryConfig, FaultConfig, OutageKind,
+    OutageSpec, Sink, SinkConfig, SinkHandle, DEV_CURRENT_SIGNING_KEY, DEV_TOKEN,
 };
 use serde_json::json;
 
@@ -555,5 +556,221 @@ async fn by_default_a_batch_holding_poison_is_refused_whole() {
         "nothing of a refused batch is accepted"
     );
     assert_eq!(s.stats().poison_rejected, 1);
+    s.stop().await;
+}
+
+fn adversarial(a: AdversarialConfig) -> FaultConfig {
+    FaultConfig {
+        seed: 9,
+        adversarial: Some(a),
+        ..FaultConfig::default()
+    }
+}
+
+/// A `/v2/batch` of `ids`, each message deduplicated by `d-<id>`.
+async fn batch(s: &SinkHandle, ids: &[i64]) -> Answer {
+    let auth = bearer(DEV_TOKEN);
+    let elements: Vec<serde_json::Value> = ids
+        .iter()
+        .map(|id| json!({"destination": DEST, "headers": {"upstash-deduplication-id": format!("d-{id}"), "upstash-forward-x-outbox-id": id.to_string()}, "body": envelope(*id, "k")}))
+        .collect();
+    post(
+        s.addr(),
+        "/v2/batch",
+        &[("authorization", &auth)],
+        serde_json::Value::Array(elements).to_string(),
+        T,
+    )
+    .await
+}
+
+#[tokio::test]
+async fn garbled_batch_answers_are_logged_as_unread_and_the_retry_as_accepted() {
+    let s = sink(adversarial(AdversarialConfig {
+        garbled: 1.0,
+        ..AdversarialConfig::default()
+    }))
+    .await;
+    for round in 0..40 {
+        let ids = [round * 3 + 1, round * 3 + 2, round * 3 + 3];
+        let a = batch(&s, &ids).await;
+        assert!(a.status().is_success(), "{a:?}");
+        let log: Vec<AnswerEvent> = s
+            .answers()
+            .into_iter()
+            .filter(|e| ids.contains(&e.outbox_id))
+            .collect();
+        assert_eq!(log.len(), 3);
+        // A slot is logged accepted exactly when the answer is a right-length
+        // array whose element there is an object.
+        let items = a.body().as_array().filter(|items| items.len() == 3);
+        for (i, e) in log.iter().enumerate() {
+            let readable = items.is_some_and(|items| items[i].is_object());
+            let expected = if readable {
+                AnswerKind::Accepted
+            } else {
+                AnswerKind::AcceptedUnread
+            };
+            assert_eq!(e.kind, expected, "slot {i} of {:?}", a.raw());
+        }
+    }
+    let garbles: Vec<String> = s.stats().adversarial.into_keys().collect();
+    assert_eq!(garbles.len(), 6, "every garble drawn: {garbles:?}");
+    // Retried whole: answered readably, as duplicates.
+    s.set_faults(FaultConfig::default()).unwrap();
+    let again = batch(&s, &[1, 2, 3]).await;
+    let items = again.body().as_array().unwrap();
+    assert!(items.iter().all(|e| e["deduplicated"] == true), "{items:?}");
+    let last: Vec<AnswerKind> = s.answers().iter().rev().take(3).map(|e| e.kind).collect();
+    assert_eq!(last, vec![AnswerKind::Accepted; 3]);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn cut_off_and_oversized_answers_and_nul_bodies() {
+    let s = sink(adversarial(AdversarialConfig {
+        cut_off: 1.0,
+        ..AdversarialConfig::default()
+    }))
+    .await;
+    match publish(&s, 1, "c-1").await {
+        Answer::ConnectionError(e) => assert!(!e.is_empty()),
+        other => panic!("expected the answer to break off, got {other:?}"),
+    }
+    assert_eq!(s.answers()[0].kind, AnswerKind::AcceptedUnread);
+    assert_eq!(s.records().len(), 1, "taken all the same");
+
+    s.set_faults(adversarial(AdversarialConfig {
+        oversized: 1.0,
+        oversized_bytes: 100_000,
+        ..AdversarialConfig::default()
+    }))
+    .unwrap();
+    let big = batch(&s, &[2, 3]).await;
+    assert_eq!(big.status(), 200);
+    assert!(big.raw().len() >= 100_000);
+    assert_eq!(
+        big.body().as_array().unwrap().len(),
+        2,
+        "valid, only too big"
+    );
+    // On /v2/publish the status is the answer; in a batch the body is.
+    let single = publish(&s, 4, "c-4").await;
+    assert_eq!(single.status(), 200);
+    let kinds: Vec<(i64, AnswerKind)> = s.answers().iter().map(|e| (e.outbox_id, e.kind)).collect();
+    assert_eq!(
+        kinds[1..],
+        [
+            (2, AnswerKind::AcceptedUnread),
+            (3, AnswerKind::AcceptedUnread),
+            (4, AnswerKind::Accepted)
+        ]
+    );
+
+    s.set_faults(adversarial(AdversarialConfig {
+        status: 1.0,
+        statuses: vec![422],
+        nul_bodies: 1.0,
+        ..AdversarialConfig::default()
+    }))
+    .unwrap();
+    let refused = publish(&s, 5, "c-5").await;
+    assert_eq!(refused.status(), 422);
+    assert!(refused.raw().contains(&0) && std::str::from_utf8(refused.raw()).is_err());
+    let in_batch = batch(&s, &[6, 7]).await;
+    assert_eq!(in_batch.status(), 422);
+    let kinds: Vec<AnswerKind> = s.answers()[4..].iter().map(|e| e.kind).collect();
+    assert_eq!(
+        kinds,
+        [
+            AnswerKind::Rejected { status: 422 },
+            AnswerKind::Failed { status: 422 },
+            AnswerKind::Failed { status: 422 }
+        ],
+        "a 4xx rejects a message only when the request carries it alone"
+    );
+    assert!(s.stats().adversarial["nul_body"] >= 2);
+    s.stop().await;
+}
+
+/// Polls `probe` every 20 ms until it is true; false after `limit`.
+async fn eventually(limit: Duration, mut probe: impl AsyncFnMut() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    while tokio::time::Instant::now() < deadline {
+        if probe().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
+#[tokio::test]
+async fn outages_refuse_connections_then_listen_again_and_rate_limits_say_when_they_lift() {
+    let outage = |at: u64, kind| OutageSpec {
+        at: Duration::from_millis(at),
+        duration: Duration::from_millis(800),
+        kind,
+    };
+    let s = sink(adversarial(AdversarialConfig {
+        outages: vec![
+            outage(0, OutageKind::Refused),
+            outage(1000, OutageKind::RateLimited),
+            outage(2000, OutageKind::Unauthorized),
+        ],
+        ..AdversarialConfig::default()
+    }))
+    .await;
+    let addr = s.addr();
+    assert_eq!(publish(&s, 1, "o-1").await.status(), 200);
+    s.start_outages();
+    let refused = || async {
+        tokio::net::TcpStream::connect(addr)
+            .await
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionRefused)
+    };
+    assert!(eventually(T, refused).await, "connections refused");
+    let limited = eventually(T, async || {
+        let a = publish(&s, 2, "o-2").await;
+        if !matches!(a, Answer::Response { .. }) || a.status() != 429 {
+            return false;
+        }
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        // Whichever header was drawn, it points no further than the outage's end.
+        for name in ["ratelimit-reset", "burst-ratelimit-reset"] {
+            if let Some(v) = a.header(name) {
+                let at: u64 = v.parse().unwrap();
+                assert!(at >= now && at <= now + 2, "{name}: {v}");
+            }
+        }
+        true
+    })
+    .await;
+    assert!(limited, "a 429 outage after the refused one");
+    let unauthorized = eventually(T, async || {
+        matches!(publish(&s, 3, "o-3").await, a @ Answer::Response { .. } if a.status() == 401)
+    })
+    .await;
+    assert!(unauthorized);
+    let back = eventually(T, async || {
+        matches!(publish(&s, 4, "o-4").await, a @ Answer::Response { .. } if a.status() == 200)
+    })
+    .await;
+    assert!(back, "answers again after the last outage");
+    let windows = s.outages();
+    let kinds: Vec<OutageKind> = windows.iter().map(|w| w.kind).collect();
+    assert_eq!(
+        kinds,
+        [
+            OutageKind::Refused,
+            OutageKind::RateLimited,
+            OutageKind::Unauthorized
+        ]
+    );
+    assert!(windows.iter().all(|w| w.end_us - w.start_us >= 700_000));
+    assert!(windows.windows(2).all(|w| w[0].end_us <= w[1].start_us));
     s.stop().await;
 }

@@ -7,6 +7,11 @@
 //! ≤ 1). Element faults (`element_error`) are drawn once per message: on
 //! `/v2/publish` the message is the request, on `/v2/batch` each element.
 //!
+//! With `[adversarial]` (see [`AdversarialConfig`]) the same draw also picks
+//! `status` (a random non-2xx status), `garbled` (a 2xx whose body cannot be
+//! read), `cut_off` (an answer that breaks off mid-body) and `oversized` (a
+//! 2xx bigger than a client reads), and the sink runs scheduled outages.
+//!
 //! Poison events are not random: an event is poison when its outbox id is in
 //! `poison_ids`, or (with `poison_marker`, on by default) when its JSON body has
 //! `"poison": true` at the top level or inside `payload` (the relay's envelope
@@ -58,6 +63,105 @@ pub struct FaultConfig {
     /// A `/v2/batch` holding poison is refused whole with 400 (nothing
     /// accepted); when false, only the poison element fails, in a 200 answer.
     pub poison_rejects_batch: bool,
+    /// The adversarial fault mode; off when absent.
+    pub adversarial: Option<AdversarialConfig>,
+}
+
+/// The adversarial fault mode: everything a destination or QStash may answer
+/// besides the plain faults above, and sink-wide outages.
+///
+/// **What the sink counts as an accepting answer.** On `/v2/publish` the
+/// status line is the answer: a 2xx delivered whole accepts the message
+/// whatever its body says. On `/v2/batch` each message's own element is: a
+/// message is accepted only by an object with a `messageId` and no `error` in
+/// its slot of a well-formed, right-length JSON array delivered whole and no
+/// bigger than `oversized_bytes`. A message the sink took but answered
+/// otherwise (lost, cut off, garbled, wrong length, not an object, oversized)
+/// is taken (a retry is answered as a duplicate) but not *answered* as
+/// accepted. See [`super::AnswerKind`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdversarialConfig {
+    /// Requests answered with a status drawn uniformly from `statuses`, before
+    /// anything is accepted.
+    pub status: f64,
+    pub statuses: Vec<u16>,
+    /// 2xx answers whose body cannot be read: cut JSON, NUL and invalid UTF-8,
+    /// a batch array of the wrong length, elements that are not objects, not
+    /// an array at all, an empty 204.
+    pub garbled: f64,
+    /// Answers that announce their full length and break off mid-body.
+    pub cut_off: f64,
+    /// 2xx answers padded to `oversized_bytes` of valid JSON.
+    pub oversized: f64,
+    /// Make it larger than any answer the relay reads whole (its
+    /// `http.max_response_bytes`, and what it allows a batch answer).
+    pub oversized_bytes: usize,
+    /// Error answers (and element error texts) carrying NUL and invalid
+    /// UTF-8 after the JSON.
+    pub nul_bodies: f64,
+    /// Sink-wide outages, from [`super::SinkHandle::start_outages`].
+    pub outages: Vec<OutageSpec>,
+}
+
+impl Default for AdversarialConfig {
+    fn default() -> Self {
+        AdversarialConfig {
+            status: 0.0,
+            statuses: vec![
+                400, 401, 403, 404, 408, 409, 413, 422, 429, 500, 502, 503, 504,
+            ],
+            garbled: 0.0,
+            cut_off: 0.0,
+            oversized: 0.0,
+            oversized_bytes: 1024 * 1024,
+            nul_bodies: 0.0,
+            outages: Vec::new(),
+        }
+    }
+}
+
+/// One sink-wide outage: from `at` after the outages start, for `duration`,
+/// every request (or connection) fails the same way.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutageSpec {
+    #[serde(with = "humantime_serde")]
+    pub at: Duration,
+    #[serde(with = "humantime_serde")]
+    pub duration: Duration,
+    pub kind: OutageKind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OutageKind {
+    /// Every request answered 503 (bodies as `nul_bodies` says).
+    ServerError,
+    /// Every request answered 401: the token is refused.
+    Unauthorized,
+    /// Every request answered 403.
+    Forbidden,
+    /// Every request answered 429, with `Retry-After`, `RateLimit-Reset` or
+    /// `Burst-RateLimit-Reset` saying when the outage ends.
+    RateLimited,
+    /// Every request's connection reset before an answer.
+    Reset,
+    /// The listener closed: connections refused, open ones reset.
+    Refused,
+}
+
+impl OutageKind {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            OutageKind::ServerError => "server_error",
+            OutageKind::Unauthorized => "unauthorized",
+            OutageKind::Forbidden => "forbidden",
+            OutageKind::RateLimited => "rate_limited",
+            OutageKind::Reset => "reset",
+            OutageKind::Refused => "refused",
+        }
+    }
 }
 
 impl Default for FaultConfig {
@@ -77,6 +181,7 @@ impl Default for FaultConfig {
             poison_ids: BTreeSet::new(),
             poison_marker: true,
             poison_rejects_batch: true,
+            adversarial: None,
         }
     }
 }
@@ -97,14 +202,65 @@ impl FaultConfig {
                 return Err(format!("faults.{name} must be between 0 and 1, got {f}"));
             }
         }
-        let sum =
-            self.server_error + self.rate_limited + self.hang + self.reset + self.lost_response;
+        if let Some(a) = &self.adversarial {
+            for (name, f) in [
+                ("status", a.status),
+                ("garbled", a.garbled),
+                ("cut_off", a.cut_off),
+                ("oversized", a.oversized),
+                ("nul_bodies", a.nul_bodies),
+            ] {
+                if !(0.0..=1.0).contains(&f) {
+                    return Err(format!(
+                        "faults.adversarial.{name} must be between 0 and 1, got {f}"
+                    ));
+                }
+            }
+            if a.status > 0.0
+                && (a.statuses.is_empty() || a.statuses.iter().any(|s| !(300..=599).contains(s)))
+            {
+                return Err(
+                    "faults.adversarial.statuses: need one or more statuses in 300..=599".into(),
+                );
+            }
+            let mut end = Duration::ZERO;
+            for o in &a.outages {
+                if o.duration.is_zero() || o.at < end {
+                    return Err(
+                        "faults.adversarial.outages: need durations > 0, in order, not overlapping"
+                            .into(),
+                    );
+                }
+                end = o.at + o.duration;
+            }
+        }
+        let sum = self.request_fractions().iter().map(|(f, _)| f).sum::<f64>();
         if sum > 1.0 + 1e-9 {
             return Err(format!(
-                "faults: server_error + rate_limited + hang + reset + lost_response must be ≤ 1, got {sum}"
+                "faults: server_error + rate_limited + hang + reset + lost_response (+ adversarial status + garbled + cut_off + oversized) must be ≤ 1, got {sum}"
             ));
         }
         Ok(())
+    }
+
+    /// Each whole-request fault with its fraction, in the order they are drawn.
+    fn request_fractions(&self) -> Vec<(f64, RequestFault)> {
+        let mut v = vec![
+            (self.reset, RequestFault::Reset),
+            (self.hang, RequestFault::Hang),
+            (self.server_error, RequestFault::ServerError),
+            (self.rate_limited, RequestFault::RateLimited),
+            (self.lost_response, RequestFault::LostResponse),
+        ];
+        if let Some(a) = &self.adversarial {
+            v.extend([
+                (a.status, RequestFault::Status),
+                (a.garbled, RequestFault::Garbled),
+                (a.cut_off, RequestFault::CutOff),
+                (a.oversized, RequestFault::Oversized),
+            ]);
+        }
+        v
     }
 }
 
@@ -117,6 +273,11 @@ pub(crate) enum RequestFault {
     ServerError,
     RateLimited,
     LostResponse,
+    /// A random status from `adversarial.statuses`.
+    Status,
+    Garbled,
+    CutOff,
+    Oversized,
 }
 
 /// The configuration and the RNG it is drawn with.
@@ -132,20 +293,13 @@ impl FaultState {
     }
 
     pub fn draw_request(&mut self) -> RequestFault {
-        let c = &self.config;
-        let total = c.reset + c.hang + c.server_error + c.rate_limited + c.lost_response;
-        if total <= 0.0 {
+        let fractions = self.config.request_fractions();
+        if fractions.iter().all(|(f, _)| *f <= 0.0) {
             return RequestFault::None;
         }
         let u: f64 = self.rng.random();
         let mut edge = 0.0;
-        for (fraction, fault) in [
-            (c.reset, RequestFault::Reset),
-            (c.hang, RequestFault::Hang),
-            (c.server_error, RequestFault::ServerError),
-            (c.rate_limited, RequestFault::RateLimited),
-            (c.lost_response, RequestFault::LostResponse),
-        ] {
+        for (fraction, fault) in fractions {
             edge += fraction;
             if u < edge {
                 return fault;
@@ -154,8 +308,19 @@ impl FaultState {
         RequestFault::None
     }
 
+    /// True with probability `p`.
+    pub fn chance(&mut self, p: f64) -> bool {
+        p > 0.0 && self.rng.random::<f64>() < p
+    }
+
+    /// Uniform in `0..n` (`n > 0`).
+    pub fn pick(&mut self, n: usize) -> usize {
+        self.rng.random_range(0..n)
+    }
+
     pub fn draw_element_error(&mut self) -> bool {
-        self.config.element_error > 0.0 && self.rng.random::<f64>() < self.config.element_error
+        let p = self.config.element_error;
+        self.chance(p)
     }
 
     pub fn draw_delay(&mut self) -> Duration {

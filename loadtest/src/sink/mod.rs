@@ -33,25 +33,33 @@
 //! rejected ones only count in [`SinkStats`]. Faults are in [`faults`];
 //! delivery mode (forward to the destination, signed) is in [`DeliveryConfig`].
 //!
+//! Besides the records, the sink logs what it *answered* about each message
+//! ([`AnswerEvent`]): accepted readably, taken but answered unreadably, rejected
+//! for itself, or failed with the whole request. The adversarial fault mode
+//! ([`faults::AdversarialConfig`], [`adversary`]) and its outages
+//! ([`SinkHandle::start_outages`]) are checked against that log.
+//!
 //! Built on hyper directly rather than an axum router: the destination is the
 //! raw path and query (a router would decode it), and a reset needs the
 //! connection itself.
 
+pub mod adversary;
 pub mod delivery;
 pub mod faults;
 pub mod signing;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
+use adversary::AnswerBody;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -62,8 +70,10 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Notify};
 use tokio::task::JoinSet;
 
+use adversary::{ActiveOutage, Garble};
+pub use adversary::{AnswerEvent, AnswerKind, OutageWindow};
 pub use delivery::{DeliveryConfig, DeliveryOutcome};
-pub use faults::FaultConfig;
+pub use faults::{AdversarialConfig, FaultConfig, OutageKind, OutageSpec};
 use faults::{FaultState, RequestFault};
 pub use signing::{DEV_CURRENT_SIGNING_KEY, DEV_NEXT_SIGNING_KEY, DEV_TOKEN};
 
@@ -158,6 +168,11 @@ pub struct SinkStats {
     pub lost_responses: u64,
     pub delivered: u64,
     pub delivery_failures: u64,
+    /// Adversarial faults by kind (`status_503`, `garbled_truncated`,
+    /// `cut_off`, `oversized`, `nul_body`, `outage_refused`, …): requests,
+    /// or for `nul_body` answers and elements.
+    #[serde(default)]
+    pub adversarial: BTreeMap<String, u64>,
 }
 
 #[derive(Default)]
@@ -184,6 +199,7 @@ fn bump(c: &AtomicU64) {
 
 struct Ledger {
     records: Vec<Record>,
+    answers: Vec<AnswerEvent>,
     /// dedup key → (message id, first accepted)
     dedup: HashMap<String, (String, Instant)>,
 }
@@ -197,6 +213,15 @@ struct Shared {
     recorded: watch::Sender<usize>,
     deliverer: Option<Arc<delivery::Deliverer>>,
     shutdown: watch::Receiver<bool>,
+    adversarial: Mutex<BTreeMap<String, u64>>,
+    outage: Mutex<Option<ActiveOutage>>,
+    outage_log: Mutex<Vec<OutageWindow>>,
+    /// Bumped to reset every open connection.
+    cut_all: watch::Sender<u64>,
+    /// Set to close the listener (connections refused), cleared to listen again.
+    refuse: watch::Sender<bool>,
+    /// Whether the listener is open.
+    listening: watch::Sender<bool>,
 }
 
 /// Starts sinks: `Sink::start(SinkConfig::default()).await?`.
@@ -223,12 +248,19 @@ impl Sink {
             faults: Mutex::new(FaultState::new(config.faults)),
             ledger: Mutex::new(Ledger {
                 records: Vec::new(),
+                answers: Vec::new(),
                 dedup: HashMap::new(),
             }),
             counters: Counters::default(),
             recorded: watch::channel(0).0,
             deliverer: config.delivery.map(delivery::Deliverer::new),
             shutdown: shutdown_rx,
+            adversarial: Mutex::new(BTreeMap::new()),
+            outage: Mutex::new(None),
+            outage_log: Mutex::new(Vec::new()),
+            cut_all: watch::channel(0).0,
+            refuse: watch::channel(false).0,
+            listening: watch::channel(true).0,
         });
         let server = tokio::spawn(accept_loop(listener, Arc::clone(&shared)));
         Ok(SinkHandle {
@@ -236,6 +268,7 @@ impl Sink {
             shared,
             shutdown: shutdown_tx,
             server: Some(server),
+            outages: Mutex::new(None),
         })
     }
 }
@@ -246,6 +279,7 @@ pub struct SinkHandle {
     shared: Arc<Shared>,
     shutdown: watch::Sender<bool>,
     server: Option<tokio::task::JoinHandle<()>>,
+    outages: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl SinkHandle {
@@ -297,7 +331,45 @@ impl SinkHandle {
             lost_responses: get(&c.lost_responses),
             delivered: outcomes.iter().filter(|o| o.delivered).count() as u64,
             delivery_failures: outcomes.iter().filter(|o| !o.delivered).count() as u64,
+            adversarial: self.shared.adversarial.lock().expect("counts lock").clone(),
         }
+    }
+
+    /// What the sink answered about each message so far, in order.
+    pub fn answers(&self) -> Vec<AnswerEvent> {
+        self.shared
+            .ledger
+            .lock()
+            .expect("ledger lock")
+            .answers
+            .clone()
+    }
+
+    /// The outages that ran so far (the one in force, if any, is not listed).
+    pub fn outages(&self) -> Vec<OutageWindow> {
+        self.shared
+            .outage_log
+            .lock()
+            .expect("outage log lock")
+            .clone()
+    }
+
+    /// Starts the adversarial mode's outage schedule, its `at` times counted
+    /// from now. Does nothing without outages; a second call is ignored.
+    pub fn start_outages(&self) {
+        let specs = {
+            let f = self.shared.faults.lock().expect("faults lock");
+            f.config
+                .adversarial
+                .as_ref()
+                .map(|a| a.outages.clone())
+                .unwrap_or_default()
+        };
+        let mut task = self.outages.lock().expect("outages lock");
+        if specs.is_empty() || task.is_some() {
+            return;
+        }
+        *task = Some(tokio::spawn(run_outages(Arc::clone(&self.shared), specs)));
     }
 
     /// Finished deliveries (delivery mode only), in completion order.
@@ -351,6 +423,9 @@ impl SinkHandle {
 impl Drop for SinkHandle {
     fn drop(&mut self) {
         self.shutdown.send_replace(true);
+        if let Some(t) = self.outages.lock().expect("outages lock").take() {
+            t.abort();
+        }
         if let Some(d) = &self.shared.deliverer {
             d.abort_all();
         }
@@ -359,16 +434,110 @@ impl Drop for SinkHandle {
 
 /// Resolves once the shutdown flag is set (or its sender is gone).
 async fn stopped(rx: &mut watch::Receiver<bool>) {
-    let _ = rx.wait_for(|stop| *stop).await;
+    flag_is(rx, true).await;
+}
+
+/// Resolves once the flag is `value` (or its sender is gone).
+async fn flag_is(rx: &mut watch::Receiver<bool>, value: bool) {
+    let _ = rx.wait_for(|v| *v == value).await;
+}
+
+/// Runs the outage schedule (see [`SinkHandle::start_outages`]).
+async fn run_outages(shared: Arc<Shared>, specs: Vec<OutageSpec>) {
+    let origin = tokio::time::Instant::now();
+    let mut shutdown = shared.shutdown.clone();
+    for o in specs {
+        tokio::select! {
+            _ = tokio::time::sleep_until(origin + o.at) => {}
+            _ = stopped(&mut shutdown) => return,
+        }
+        let start_us = adversary::now_us();
+        let until = Instant::now() + o.duration;
+        *shared.outage.lock().expect("outage lock") = Some(ActiveOutage {
+            kind: o.kind,
+            until,
+            until_wall: SystemTime::now() + o.duration,
+        });
+        if o.kind == OutageKind::Refused {
+            shared.refuse.send_replace(true);
+        }
+        tracing::info!(kind = o.kind.as_str(), duration = ?o.duration, "sink: outage starts");
+        tokio::select! {
+            _ = tokio::time::sleep_until(until.into()) => {}
+            _ = stopped(&mut shutdown) => return,
+        }
+        *shared.outage.lock().expect("outage lock") = None;
+        if o.kind == OutageKind::Refused {
+            shared.refuse.send_replace(false);
+            // The outage lasts until the listener is back.
+            let mut listening = shared.listening.subscribe();
+            tokio::select! {
+                _ = flag_is(&mut listening, true) => {}
+                _ = stopped(&mut shutdown) => return,
+            }
+        }
+        shared
+            .outage_log
+            .lock()
+            .expect("outage log lock")
+            .push(OutageWindow {
+                kind: o.kind,
+                start_us,
+                end_us: adversary::now_us(),
+            });
+        tracing::info!(kind = o.kind.as_str(), "sink: outage ends");
+    }
+}
+
+/// A listener on `addr` again, retried until it binds (a refused outage
+/// gave the port up for a while).
+async fn rebind(addr: SocketAddr, shutdown: &mut watch::Receiver<bool>) -> Option<TcpListener> {
+    loop {
+        let bound = tokio::net::TcpSocket::new_v4().and_then(|s| {
+            s.set_reuseaddr(true)?;
+            s.bind(addr)?;
+            s.listen(1024)
+        });
+        match bound {
+            Ok(l) => return Some(l),
+            Err(e) => {
+                tracing::warn!(error = %e, %addr, "sink: cannot listen again yet");
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+                    _ = stopped(shutdown) => return None,
+                }
+            }
+        }
+    }
 }
 
 async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     let mut shutdown = shared.shutdown.clone();
+    let mut refuse = shared.refuse.subscribe();
+    let addr = listener.local_addr().ok();
+    let mut listener = Some(listener);
     let mut conns = JoinSet::new();
     loop {
+        let Some(l) = &listener else {
+            tokio::select! {
+                _ = stopped(&mut shutdown) => break,
+                _ = flag_is(&mut refuse, false) => {
+                    let Some(addr) = addr else { break };
+                    listener = rebind(addr, &mut shutdown).await;
+                    shared.listening.send_replace(listener.is_some());
+                }
+            }
+            continue;
+        };
         tokio::select! {
             _ = stopped(&mut shutdown) => break,
-            accepted = listener.accept() => match accepted {
+            _ = flag_is(&mut refuse, true) => {
+                // Closed: new connections are refused; open ones are reset.
+                listener = None;
+                shared.listening.send_replace(false);
+                shared.cut_all.send_modify(|g| *g += 1);
+            }
+            accepted = l.accept() => match accepted {
                 Ok((stream, _)) => {
                     while conns.try_join_next().is_some() {}
                     conns.spawn(serve_connection(stream, Arc::clone(&shared)));
@@ -389,6 +558,7 @@ async fn serve_connection(stream: tokio::net::TcpStream, shared: Arc<Shared>) {
     let fd = stream.as_raw_fd();
     let kill = Arc::new(Notify::new());
     let mut shutdown = shared.shutdown.clone();
+    let mut cut = shared.cut_all.subscribe();
     let svc = {
         let kill = Arc::clone(&kill);
         service_fn(move |req| handle(Arc::clone(&shared), req, Arc::clone(&kill)))
@@ -397,33 +567,36 @@ async fn serve_connection(stream: tokio::net::TcpStream, shared: Arc<Shared>) {
     let conn = builder.serve_connection(TokioIo::new(stream), svc);
     tokio::pin!(conn);
     tokio::select! {
-        _ = &mut conn => {}
-        _ = kill.notified() => {
-            // Linger 0 turns the close into an RST: the client sees a reset,
-            // not a clean end of stream. The fd is still open (conn owns it).
-            let linger = libc::linger { l_onoff: 1, l_linger: 0 };
-            // SAFETY: `fd` belongs to the stream inside `conn`, alive until the end of this scope.
-            unsafe {
-                libc::setsockopt(
-                    fd,
-                    libc::SOL_SOCKET,
-                    libc::SO_LINGER,
-                    &linger as *const libc::linger as *const libc::c_void,
-                    std::mem::size_of::<libc::linger>() as libc::socklen_t,
-                );
-            }
-        }
-        _ = stopped(&mut shutdown) => {}
+        _ = &mut conn => return,
+        _ = kill.notified() => {}
+        _ = cut.changed() => {}
+        _ = stopped(&mut shutdown) => return,
+    }
+    // Linger 0 turns the close into an RST: the client sees a reset,
+    // not a clean end of stream. The fd is still open (conn owns it).
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: `fd` belongs to the stream inside `conn`, alive until the end of this scope.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            &linger as *const libc::linger as *const libc::c_void,
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        );
     }
 }
 
-type Resp = Response<Full<Bytes>>;
+type Resp = Response<AnswerBody>;
 
 fn json_response(status: StatusCode, body: &Value) -> Resp {
     Response::builder()
         .status(status)
         .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
+        .body(AnswerBody::whole(Bytes::from(body.to_string())))
         .expect("static response parts are valid")
 }
 
@@ -488,6 +661,11 @@ async fn handle(
             return Ok(error_response(StatusCode::BAD_REQUEST, &reason));
         }
     };
+    let ids: Vec<Option<i64>> = messages.iter().map(|m| m.outbox_id(None)).collect();
+    let batch = matches!(endpoint, Endpoint::Batch);
+    if let Some(outage) = shared.active_outage() {
+        return shared.outage_answer(outage, &ids, &kill).await;
+    }
 
     let (fault, delay) = {
         let mut f = shared.faults.lock().expect("faults lock");
@@ -497,13 +675,16 @@ async fn handle(
         tokio::time::sleep(delay).await;
     }
     let c = &shared.counters;
+    let failed = |status: u16| move |_: usize| AnswerKind::Failed { status };
     match fault {
         RequestFault::Reset => {
             bump(&c.resets);
+            shared.log_answers(&ids, failed(0));
             return reset(&kill).await;
         }
         RequestFault::Hang => {
             bump(&c.hangs);
+            shared.log_answers(&ids, failed(0));
             let hang_for = shared.faults.lock().expect("faults lock").config.hang_for;
             let mut shutdown = shared.shutdown.clone();
             tokio::select! {
@@ -514,66 +695,113 @@ async fn handle(
         }
         RequestFault::ServerError => {
             bump(&c.server_errors);
-            return Ok(error_response(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "injected server error",
-            ));
+            shared.log_answers(&ids, failed(503));
+            return Ok(
+                shared.error_answer(StatusCode::SERVICE_UNAVAILABLE, "injected server error")
+            );
         }
         RequestFault::RateLimited => {
             bump(&c.rate_limited);
-            let secs = shared
-                .faults
-                .lock()
-                .expect("faults lock")
-                .config
-                .retry_after
-                .as_secs();
-            let mut resp = error_response(StatusCode::TOO_MANY_REQUESTS, "injected rate limit");
-            resp.headers_mut()
-                .insert("retry-after", http::HeaderValue::from(secs));
-            return Ok(resp);
+            shared.log_answers(&ids, failed(429));
+            return Ok(shared.rate_limited(None));
         }
-        RequestFault::None | RequestFault::LostResponse => {}
+        RequestFault::Status => {
+            let status = shared.draw_status();
+            shared.note(&format!("status_{}", status.as_u16()));
+            let own = ids.len() == 1 && adversary::is_permanent_rejection(status.as_u16());
+            shared.log_answers(&ids, |_| {
+                if own {
+                    AnswerKind::Rejected {
+                        status: status.as_u16(),
+                    }
+                } else {
+                    AnswerKind::Failed {
+                        status: status.as_u16(),
+                    }
+                }
+            });
+            if status == StatusCode::TOO_MANY_REQUESTS {
+                return Ok(shared.rate_limited(None));
+            }
+            return Ok(shared.error_answer(status, &format!("injected {}", status.as_u16())));
+        }
+        _ => {}
     }
 
-    if matches!(endpoint, Endpoint::Batch) && shared.poison_rejects_batch() {
+    if batch && shared.poison_rejects_batch() {
         if let Some(error) = messages.iter().find_map(|m| shared.poison_error(m)) {
             // Refused as a whole, as QStash refuses a batch that fails validation:
             // nothing in it is accepted, and the relay resends them one by one.
             bump(&c.poison_rejected);
-            return Ok(error_response(
-                StatusCode::BAD_REQUEST,
-                &format!("{error}; batch refused"),
-            ));
+            let one = ids.len() == 1;
+            shared.log_answers(&ids, |_| {
+                if one {
+                    AnswerKind::Rejected { status: 400 }
+                } else {
+                    AnswerKind::Failed { status: 400 }
+                }
+            });
+            return Ok(
+                shared.error_answer(StatusCode::BAD_REQUEST, &format!("{error}; batch refused"))
+            );
         }
     }
     let outcomes: Vec<Outcome> = messages
         .into_iter()
-        .map(|m| shared.accept(m, matches!(endpoint, Endpoint::Batch)))
+        .map(|m| shared.accept(m, batch))
         .collect();
-    if fault == RequestFault::LostResponse {
-        bump(&c.lost_responses);
-        return reset(&kill).await;
-    }
-    Ok(match endpoint {
-        Endpoint::Publish => {
-            let outcome = outcomes.into_iter().next().expect("one message");
-            match outcome {
-                Outcome::Accepted {
-                    message_id,
-                    url,
-                    deduplicated,
-                } => json_response(
-                    if deduplicated {
-                        StatusCode::ACCEPTED
-                    } else {
-                        StatusCode::OK
-                    },
-                    &json!({"messageId": message_id, "url": url, "deduplicated": deduplicated}),
-                ),
-                Outcome::Rejected { status, error } => error_response(status, &error),
+    // What each message's answer says, before the answer is spoilt.
+    let mut kinds: Vec<AnswerKind> = outcomes
+        .iter()
+        .map(|o| match o {
+            Outcome::Accepted { .. } => AnswerKind::Accepted,
+            Outcome::Rejected { status, .. }
+                if batch || adversary::is_permanent_rejection(status.as_u16()) =>
+            {
+                AnswerKind::Rejected {
+                    status: status.as_u16(),
+                }
+            }
+            Outcome::Rejected { status, .. } => AnswerKind::Failed {
+                status: status.as_u16(),
+            },
+        })
+        .collect();
+    let unread = |kinds: &mut [AnswerKind], which: &dyn Fn(usize) -> bool, status: u16| {
+        for (i, k) in kinds.iter_mut().enumerate() {
+            if which(i) {
+                *k = match k {
+                    AnswerKind::Accepted | AnswerKind::AcceptedUnread => AnswerKind::AcceptedUnread,
+                    _ => AnswerKind::Failed { status },
+                };
             }
         }
+    };
+    if fault == RequestFault::LostResponse {
+        bump(&c.lost_responses);
+        unread(&mut kinds, &|_| true, 0);
+        shared.log_answers(&ids, |i| kinds[i]);
+        return reset(&kill).await;
+    }
+    let (status, body) = match endpoint {
+        Endpoint::Publish => match outcomes.into_iter().next().expect("one message") {
+            Outcome::Accepted {
+                message_id,
+                url,
+                deduplicated,
+            } => (
+                if deduplicated {
+                    StatusCode::ACCEPTED
+                } else {
+                    StatusCode::OK
+                },
+                json!({"messageId": message_id, "url": url, "deduplicated": deduplicated}),
+            ),
+            Outcome::Rejected { status, error } => {
+                shared.log_answers(&ids, |i| kinds[i]);
+                return Ok(shared.error_answer(status, &error));
+            }
+        },
         Endpoint::Batch => {
             let elements: Vec<Value> = outcomes
                 .into_iter()
@@ -584,13 +812,61 @@ async fn handle(
                         deduplicated,
                     } => json!({"messageId": message_id, "url": url, "deduplicated": deduplicated}),
                     Outcome::Rejected { status, error } => {
-                        json!({"error": error, "status": status.as_u16()})
+                        json!({"error": shared.element_error_text(error), "status": status.as_u16()})
                     }
                 })
                 .collect();
-            json_response(StatusCode::OK, &Value::Array(elements))
+            (StatusCode::OK, Value::Array(elements))
         }
-    })
+    };
+    let resp = match fault {
+        RequestFault::Garbled => {
+            let out = {
+                let mut f = shared.faults.lock().expect("faults lock");
+                let g = Garble::draw(&mut f);
+                shared.note(g.as_str());
+                adversary::garble(&mut f, g, status, &body)
+            };
+            // On /v2/publish the status is the answer; in a batch, the element.
+            if batch {
+                unread(&mut kinds, &|i| !out.readable[i], out.status.as_u16());
+            }
+            bytes_response(out.status, out.body, None)
+        }
+        RequestFault::CutOff => {
+            shared.note("cut_off");
+            unread(&mut kinds, &|_| true, 0);
+            let whole = Bytes::from(body.to_string());
+            let (prefix, len) =
+                adversary::cut_off_prefix(&mut shared.faults.lock().expect("faults lock"), &whole);
+            bytes_response(status, prefix, Some(len))
+        }
+        RequestFault::Oversized => {
+            shared.note("oversized");
+            if batch {
+                unread(&mut kinds, &|_| true, status.as_u16());
+            }
+            let bytes = shared.adversarial_config().map_or(0, |a| a.oversized_bytes);
+            bytes_response(status, adversary::oversize(&body, bytes), None)
+        }
+        _ => json_response(status, &body),
+    };
+    shared.log_answers(&ids, |i| kinds[i]);
+    Ok(resp)
+}
+
+/// `body` with `status`; with `announced`, the body is a prefix of an answer
+/// that long, and the connection breaks after it.
+fn bytes_response(status: StatusCode, body: Bytes, announced: Option<usize>) -> Resp {
+    let body = match announced {
+        Some(len) => AnswerBody::cut_off(body, len as u64),
+        None => AnswerBody::whole(body),
+    };
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(body)
+        .expect("static response parts are valid")
 }
 
 /// Drops the connection without an answer (see [`serve_connection`]).
@@ -648,6 +924,26 @@ impl Message {
             .iter()
             .find(|(n, _)| n == name)
             .map(|(_, v)| v.as_str())
+    }
+
+    /// From `Upstash-Forward-X-Outbox-Id`, else the body's `id` (`json`: the
+    /// body, parsed by the caller; parsed here when `None`).
+    fn outbox_id(&self, json: Option<&Value>) -> Option<i64> {
+        if let Some(id) = self
+            .header(OUTBOX_ID_HEADER)
+            .and_then(|v| v.trim().parse::<i64>().ok())
+        {
+            return Some(id);
+        }
+        let parsed;
+        let json = match json {
+            Some(j) => j,
+            None => {
+                parsed = serde_json::from_slice::<Value>(&self.body).ok()?;
+                &parsed
+            }
+        };
+        json.get("id").and_then(json_i64)
     }
 }
 
@@ -747,6 +1043,143 @@ enum Outcome {
 }
 
 impl Shared {
+    fn adversarial_config(&self) -> Option<AdversarialConfig> {
+        self.faults
+            .lock()
+            .expect("faults lock")
+            .config
+            .adversarial
+            .clone()
+    }
+
+    /// Counts one adversarial fault of `kind`.
+    fn note(&self, kind: &str) {
+        *self
+            .adversarial
+            .lock()
+            .expect("counts lock")
+            .entry(kind.to_owned())
+            .or_insert(0) += 1;
+    }
+
+    /// Logs one answer per message with an outbox id; `kind(i)` for message `i`.
+    fn log_answers(&self, ids: &[Option<i64>], kind: impl Fn(usize) -> AnswerKind) {
+        let at_us = adversary::now_us();
+        let mut ledger = self.ledger.lock().expect("ledger lock");
+        for (i, id) in ids.iter().enumerate() {
+            if let Some(outbox_id) = *id {
+                ledger.answers.push(AnswerEvent {
+                    at_us,
+                    outbox_id,
+                    kind: kind(i),
+                });
+            }
+        }
+    }
+
+    /// The outage in force, if any.
+    fn active_outage(&self) -> Option<ActiveOutage> {
+        let mut o = self.outage.lock().expect("outage lock");
+        if o.is_some_and(|a| Instant::now() >= a.until) {
+            *o = None;
+        }
+        *o
+    }
+
+    /// Every request in an outage fails the same way.
+    async fn outage_answer(
+        &self,
+        o: ActiveOutage,
+        ids: &[Option<i64>],
+        kill: &Notify,
+    ) -> Result<Resp, Infallible> {
+        self.note(&format!("outage_{}", o.kind.as_str()));
+        let status = match o.kind {
+            OutageKind::ServerError => StatusCode::SERVICE_UNAVAILABLE,
+            OutageKind::Unauthorized => StatusCode::UNAUTHORIZED,
+            OutageKind::Forbidden => StatusCode::FORBIDDEN,
+            OutageKind::RateLimited => StatusCode::TOO_MANY_REQUESTS,
+            OutageKind::Reset | OutageKind::Refused => {
+                self.log_answers(ids, |_| AnswerKind::Failed { status: 0 });
+                return reset(kill).await;
+            }
+        };
+        self.log_answers(ids, |_| AnswerKind::Failed {
+            status: status.as_u16(),
+        });
+        Ok(match o.kind {
+            OutageKind::RateLimited => self.rate_limited(Some(o.until_wall)),
+            OutageKind::Unauthorized => self.error_answer(status, "Unauthorized"),
+            OutageKind::Forbidden => self.error_answer(status, "Forbidden: quota or plan"),
+            _ => self.error_answer(status, "service unavailable (outage)"),
+        })
+    }
+
+    /// `{"error": text}` with `status`; in the adversarial mode, NUL bytes and
+    /// invalid UTF-8 after it as `nul_bodies` draws.
+    fn error_answer(&self, status: StatusCode, text: &str) -> Resp {
+        let body = {
+            let mut f = self.faults.lock().expect("faults lock");
+            if f.config.adversarial.is_none() {
+                return error_response(status, text);
+            }
+            adversary::error_body(&mut f, text)
+        };
+        if body.contains(&0) {
+            self.note("nul_body");
+        }
+        bytes_response(status, body, None)
+    }
+
+    /// An element error's text, with a NUL in it as `nul_bodies` draws.
+    fn element_error_text(&self, text: String) -> String {
+        let text =
+            adversary::element_error_text(&mut self.faults.lock().expect("faults lock"), text);
+        if text.contains('\0') {
+            self.note("nul_body");
+        }
+        text
+    }
+
+    /// A 429 lifting at `until` (else `retry_after` from now): `Retry-After`
+    /// in seconds, or in the adversarial mode any of the rate-limit headers.
+    fn rate_limited(&self, until: Option<SystemTime>) -> Resp {
+        let mut resp = self.error_answer(StatusCode::TOO_MANY_REQUESTS, "injected rate limit");
+        let headers = {
+            let mut f = self.faults.lock().expect("faults lock");
+            let retry_after = f.config.retry_after;
+            if f.config.adversarial.is_none() {
+                vec![(
+                    "retry-after",
+                    http::HeaderValue::from(retry_after.as_secs()),
+                )]
+            } else {
+                let until = until.unwrap_or_else(|| SystemTime::now() + retry_after);
+                adversary::rate_limit_headers(&mut f, until)
+            }
+        };
+        for (name, value) in headers {
+            resp.headers_mut().insert(name, value);
+        }
+        resp
+    }
+
+    /// A status from `adversarial.statuses`.
+    fn draw_status(&self) -> StatusCode {
+        let mut f = self.faults.lock().expect("faults lock");
+        let statuses = f
+            .config
+            .adversarial
+            .as_ref()
+            .map(|a| a.statuses.clone())
+            .unwrap_or_default();
+        let code = match statuses.len() {
+            0 => 503,
+            n => statuses[f.pick(n)],
+        };
+        StatusCode::from_u16(code).unwrap_or(StatusCode::SERVICE_UNAVAILABLE)
+    }
+
     fn poison_rejects_batch(&self) -> bool {
         self.faults
             .lock()
@@ -758,10 +1191,7 @@ impl Shared {
     /// The rejection text when `msg` is poison.
     fn poison_error(&self, msg: &Message) -> Option<String> {
         let json: Option<Value> = serde_json::from_slice(&msg.body).ok();
-        let outbox_id = msg
-            .header(OUTBOX_ID_HEADER)
-            .and_then(|v| v.trim().parse::<i64>().ok())
-            .or_else(|| json.as_ref().and_then(|j| j.get("id")).and_then(json_i64));
+        let outbox_id = json.as_ref().and_then(|j| msg.outbox_id(Some(j)));
         let f = self.faults.lock().expect("faults lock");
         f.is_poison(outbox_id, json.as_ref()).then(|| {
             format!(
@@ -774,10 +1204,7 @@ impl Shared {
     fn accept(&self, msg: Message, via_batch: bool) -> Outcome {
         let c = &self.counters;
         let json: Option<Value> = serde_json::from_slice(&msg.body).ok();
-        let outbox_id = msg
-            .header(OUTBOX_ID_HEADER)
-            .and_then(|v| v.trim().parse::<i64>().ok())
-            .or_else(|| json.as_ref().and_then(|j| j.get("id")).and_then(json_i64));
+        let outbox_id = json.as_ref().and_then(|j| msg.outbox_id(Some(j)));
         let element_error = {
             let mut f = self.faults.lock().expect("faults lock");
             if f.is_poison(outbox_id, json.as_ref()) {

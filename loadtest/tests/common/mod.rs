@@ -1,9 +1,11 @@
-//! Helpers shared by the integration tests: one-shot HTTP over loopback and a
-//! capturing receiver for delivery mode.
+//! Helpers shared by the integration tests: one-shot HTTP over loopback, a
+//! capturing receiver for delivery mode, and the relay and database server
+//! the scenario runs use.
 #![allow(dead_code)]
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -21,7 +23,10 @@ pub enum Answer {
     Response {
         status: StatusCode,
         headers: HeaderMap,
+        /// The body as JSON, `Null` when it is not.
         body: Value,
+        /// The body as sent.
+        raw: Bytes,
     },
     /// The connection failed or closed without an answer.
     ConnectionError(String),
@@ -40,6 +45,13 @@ impl Answer {
     pub fn body(&self) -> &Value {
         match self {
             Answer::Response { body, .. } => body,
+            other => panic!("expected a response, got {other:?}"),
+        }
+    }
+
+    pub fn raw(&self) -> &Bytes {
+        match self {
+            Answer::Response { raw, .. } => raw,
             other => panic!("expected a response, got {other:?}"),
         }
     }
@@ -95,6 +107,7 @@ pub async fn post(
             status,
             headers,
             body,
+            raw: bytes,
         })
     };
     match tokio::time::timeout(timeout, exchange).await {
@@ -181,4 +194,90 @@ impl Drop for Receiver {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// The relay under test: `OUTBOX_RELAY_BIN` if set; else
+/// `target/<profile>/outbox-relay` next to the test when no engine source
+/// file is newer than it; else the engine embedded in this package's
+/// `loadtest` binary, which cargo always builds for this package's tests.
+pub fn relay() -> loadtest::relay::RelayProgram {
+    use loadtest::relay::{locate_relay, RelayProgram};
+    if let Some(bin) = std::env::var_os("OUTBOX_RELAY_BIN") {
+        return RelayProgram::binary(PathBuf::from(bin));
+    }
+    let found = locate_relay(
+        &std::env::current_exe().unwrap(),
+        loadtest::relay::compiled_sources().as_deref(),
+    );
+    if found.is_embedded() {
+        RelayProgram::embedded(env!("CARGO_BIN_EXE_loadtest"))
+    } else {
+        found
+    }
+}
+
+/// `TEST_DATABASE_URL`, else the local default server when it answers, else
+/// `None` (the runner starts a throwaway cluster).
+pub async fn server_url() -> Option<String> {
+    let url = std::env::var("TEST_DATABASE_URL")
+        .unwrap_or_else(|_| outbox_relay::testkit::DEFAULT_SERVER_URL.to_owned());
+    let probe = tokio::time::timeout(Duration::from_secs(5), outbox_relay::db::connect(&url));
+    matches!(probe.await, Ok(Ok(_))).then_some(url)
+}
+
+/// A scenario run by a test: its report, its output directory, and the
+/// report's table with the last lines of every replica's log (for failure
+/// messages).
+pub struct TestRun {
+    pub report: loadtest::report::Report,
+    pub out_dir: PathBuf,
+    pub context: String,
+    /// Holds `out_dir`: bind it while the files are needed.
+    pub dir: tempfile::TempDir,
+}
+
+/// Runs `scenario` against [`relay`] and [`server_url`], panicking when it
+/// takes longer than `limit`.
+pub async fn run_in_test(
+    scenario: &loadtest::scenario::Scenario,
+    limit: Duration,
+    log_lines: usize,
+) -> TestRun {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = loadtest::runner::RunOptions::new(dir.path().join("out"));
+    opts.relay = relay();
+    opts.progress = false;
+    opts.database_url = server_url().await;
+    eprintln!("relay under test: {}", opts.relay.describe());
+    let run = tokio::time::timeout(limit, loadtest::runner::run_scenario(scenario, &opts));
+    let report = run
+        .await
+        .unwrap_or_else(|_| panic!("the {} run did not finish within {limit:?}", scenario.name))
+        .unwrap();
+    let context = format!(
+        "{}{}",
+        report.table(),
+        log_tails(&opts.out_dir, scenario.replicas, log_lines)
+    );
+    TestRun {
+        report,
+        out_dir: opts.out_dir,
+        context,
+        dir,
+    }
+}
+
+/// The last `n` lines of every replica's log.
+pub fn log_tails(dir: &std::path::Path, replicas: u32, n: usize) -> String {
+    let mut out = String::new();
+    for i in 0..replicas {
+        let name = loadtest::runner::replica_file_name("relay", "log", i, replicas);
+        let log = std::fs::read_to_string(dir.join(&name)).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        out += &format!(
+            "\n{name} (last lines):\n{}",
+            lines[lines.len().saturating_sub(n)..].join("\n")
+        );
+    }
+    out
 }

@@ -1,0 +1,589 @@
+//! The invariants of the adversarial scenario (`kind = "adversarial"`), checked
+//! from the outbox rows, the sink's answer log ([`AnswerEvent`]), its outage
+//! windows and the harness's progress samples:
+//!
+//! 1. **Settled.** Every event is published or dead-lettered with a non-empty
+//!    `last_error`; none is left pending.
+//! 2. **Published means accepted.** A row marked published has at least one
+//!    answer the sink logged as [`AnswerKind::Accepted`]: a readable answer
+//!    that says *this* message was taken. A message the sink took but answered
+//!    unreadably (lost, cut off, garbled, wrong length, not an object,
+//!    oversized) does not count; its retry is answered as a duplicate, and
+//!    that answer does.
+//! 3. **Dead letters come from the message, never from an outage.** A
+//!    rejection of a message itself is [`AnswerKind::Rejected`]: a 4xx other
+//!    than 401/403/408/429 to a request carrying it alone, or an error element
+//!    in its slot of a readable batch answer. A row is dead-lettered justly
+//!    when, before its `dead_lettered_at`, either
+//!    (a) the sink's last answer about it was such a rejection, and no
+//!    `refused` outage (in which the sink sees no request) began since; or
+//!    (b) the sink rejected it for itself at least once, and it was
+//!    dead-lettered outside every outage and the second after it (attempts
+//!    used up by its own rejections mixed with random failures).
+//!    A row dead-lettered in an outage after a sink-wide answer (5xx, 401,
+//!    403, 429, reset, hang, unreadable answer) or a refused connection, or
+//!    one the sink never rejected for itself, breaks the invariant.
+//! 4. **Progress.** The count of settled rows (published + dead-lettered),
+//!    sampled every [`SAMPLE_EVERY`], never stays flat for a lease or longer
+//!    while rows are pending, outage time excepted: the clock of a stall
+//!    starts at the later of its last progress and the end of the last outage,
+//!    so after every outage progress must resume within one lease.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::sink::{AnswerEvent, AnswerKind, OutageKind, OutageWindow};
+use crate::verify::{sample_ids, OutboxRow};
+
+/// How often the harness samples progress.
+pub const SAMPLE_EVERY: Duration = Duration::from_millis(250);
+
+/// Settled (published or dead-lettered) and pending rows, counted at `at_us`.
+pub const PROGRESS: &str = "SELECT
+  count(*) FILTER (WHERE published_at IS NOT NULL OR dead_lettered_at IS NOT NULL),
+  count(*) FILTER (WHERE published_at IS NULL AND dead_lettered_at IS NULL)
+FROM outbox";
+
+/// When each dead-lettered row was dead-lettered, unix µs.
+pub const DEAD_LETTERED_AT: &str =
+    "SELECT id, (extract(epoch FROM dead_lettered_at) * 1000000)::bigint
+FROM outbox WHERE dead_lettered_at IS NOT NULL";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProgressSample {
+    pub at_us: i64,
+    pub settled: i64,
+    pub pending: i64,
+}
+
+/// A dead letter the sink's answers do not explain.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnjustifiedDeadLetter {
+    pub id: i64,
+    pub last_error: Option<String>,
+    /// Why it is not justified (the sink's last answer about it, or the outage).
+    pub why: String,
+}
+
+/// Answers the sink logged, per kind (messages, not requests).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AnswerCounts {
+    pub accepted: u64,
+    pub accepted_unread: u64,
+    pub rejected: u64,
+    pub failed: u64,
+}
+
+/// A stall: no row settled from `from_secs` for `secs` while rows were pending.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Stall {
+    /// Seconds since the run's origin.
+    pub from_secs: f64,
+    pub secs: f64,
+}
+
+/// One outage and how soon rows settled again after it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OutageOutcome {
+    pub kind: OutageKind,
+    pub from_secs: f64,
+    pub secs: f64,
+    /// From the outage's end to the first progress after it; `None` when
+    /// nothing was pending at its end, or nothing settled afterwards.
+    pub resumed_after_secs: Option<f64>,
+}
+
+/// What the adversarial checks found.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct AdversarialReport {
+    pub lease_secs: f64,
+    pub outages: Vec<OutageOutcome>,
+    pub answers: AnswerCounts,
+    /// Neither published nor dead-lettered.
+    pub unsettled: Vec<i64>,
+    pub dead_without_reason: Vec<i64>,
+    /// Published without an accepting answer from the sink.
+    pub published_unaccepted: Vec<i64>,
+    /// For the first ten of those: what the sink answered about it, in order.
+    pub published_unaccepted_answers: Vec<String>,
+    pub dead_letters: u64,
+    /// Dead letters per reason (`last_error` up to its first `:`).
+    pub dead_letter_reasons: BTreeMap<String, u64>,
+    pub justified_dead_letters: Vec<i64>,
+    pub unjustified_dead_letters: Vec<UnjustifiedDeadLetter>,
+    /// Dead-lettered rows the sink had taken (a lost or unreadable answer,
+    /// then a rejection): informative.
+    pub dead_but_taken: u64,
+    pub samples: u64,
+    /// Longest time without progress while rows were pending, outages included.
+    pub longest_stall: Stall,
+    /// The same with outage time excepted (the invariant).
+    pub longest_charged_stall: Stall,
+}
+
+impl AdversarialReport {
+    /// Every broken invariant, one line each.
+    pub fn failures(&self) -> Vec<String> {
+        let mut f = Vec::new();
+        if !self.unsettled.is_empty() {
+            f.push(format!(
+                "{} events neither published nor dead-lettered: ids {}",
+                self.unsettled.len(),
+                sample_ids(&self.unsettled)
+            ));
+        }
+        if !self.dead_without_reason.is_empty() {
+            f.push(format!(
+                "{} events dead-lettered without a reason: ids {}",
+                self.dead_without_reason.len(),
+                sample_ids(&self.dead_without_reason)
+            ));
+        }
+        if !self.published_unaccepted.is_empty() {
+            f.push(format!(
+                "{} events marked published that the sink never answered as accepted: ids {}",
+                self.published_unaccepted.len(),
+                sample_ids(&self.published_unaccepted)
+            ));
+            for a in &self.published_unaccepted_answers {
+                f.push(format!("  {a}"));
+            }
+        }
+        if !self.unjustified_dead_letters.is_empty() {
+            f.push(format!(
+                "{} dead letters not caused by a rejection of the message itself",
+                self.unjustified_dead_letters.len()
+            ));
+            for d in self.unjustified_dead_letters.iter().take(10) {
+                f.push(format!(
+                    "  id {}: {}; last_error: {}",
+                    d.id,
+                    d.why,
+                    d.last_error
+                        .as_deref()
+                        .map(|e| e.chars().take(160).collect::<String>())
+                        .unwrap_or_default()
+                ));
+            }
+        }
+        if self.samples < 2 {
+            f.push("progress was not sampled".into());
+        }
+        let s = self.longest_charged_stall;
+        if s.secs >= self.lease_secs {
+            f.push(format!(
+                "no event settled for {:.1} s from {:.1} s with events pending, outages excepted: longer than the lease ({:.1} s)",
+                s.secs, s.from_secs, self.lease_secs
+            ));
+        }
+        f
+    }
+}
+
+/// What [`check`] needs.
+pub struct CheckInput<'a> {
+    pub rows: &'a [OutboxRow],
+    /// `(id, dead_lettered_at unix µs)`.
+    pub dead_lettered_at: &'a [(i64, i64)],
+    pub answers: &'a [AnswerEvent],
+    pub outages: &'a [OutageWindow],
+    pub samples: &'a [ProgressSample],
+    pub lease: Duration,
+    /// unix µs the report's seconds count from.
+    pub origin_us: i64,
+}
+
+/// Checks the invariants (see the module doc).
+pub fn check(input: &CheckInput<'_>) -> AdversarialReport {
+    let secs = |us: i64| (us - input.origin_us) as f64 / 1e6;
+    let mut r = AdversarialReport {
+        lease_secs: input.lease.as_secs_f64(),
+        samples: input.samples.len() as u64,
+        ..AdversarialReport::default()
+    };
+    let mut by_id: HashMap<i64, Vec<&AnswerEvent>> = HashMap::new();
+    for a in input.answers {
+        match a.kind {
+            AnswerKind::Accepted => r.answers.accepted += 1,
+            AnswerKind::AcceptedUnread => r.answers.accepted_unread += 1,
+            AnswerKind::Rejected { .. } => r.answers.rejected += 1,
+            AnswerKind::Failed { .. } => r.answers.failed += 1,
+        }
+        by_id.entry(a.outbox_id).or_default().push(a);
+    }
+    for answers in by_id.values_mut() {
+        answers.sort_by_key(|a| a.at_us);
+    }
+    let dead_at: HashMap<i64, i64> = input.dead_lettered_at.iter().copied().collect();
+    let none = Vec::new();
+    for row in input.rows {
+        let answers = by_id.get(&row.id).unwrap_or(&none);
+        if row.published {
+            if !answers.iter().any(|a| a.kind == AnswerKind::Accepted) {
+                if r.published_unaccepted.len() < 10 {
+                    r.published_unaccepted_answers.push(format!(
+                        "id {}: {}",
+                        row.id,
+                        history(answers, &secs)
+                    ));
+                }
+                r.published_unaccepted.push(row.id);
+            }
+            continue;
+        }
+        if !row.dead_lettered {
+            r.unsettled.push(row.id);
+            continue;
+        }
+        r.dead_letters += 1;
+        *r.dead_letter_reasons
+            .entry(reason(row.last_error.as_deref()))
+            .or_insert(0) += 1;
+        if row
+            .last_error
+            .as_deref()
+            .is_none_or(|e| e.trim().is_empty())
+        {
+            r.dead_without_reason.push(row.id);
+        }
+        if answers
+            .iter()
+            .any(|a| matches!(a.kind, AnswerKind::Accepted | AnswerKind::AcceptedUnread))
+        {
+            r.dead_but_taken += 1;
+        }
+        match justify(dead_at.get(&row.id).copied(), answers, input.outages, &secs) {
+            Ok(()) => r.justified_dead_letters.push(row.id),
+            Err(why) => r.unjustified_dead_letters.push(UnjustifiedDeadLetter {
+                id: row.id,
+                last_error: row.last_error.clone(),
+                why,
+            }),
+        }
+    }
+    let (raw, charged) = stalls(input.samples, input.outages);
+    r.longest_stall = Stall {
+        from_secs: secs(raw.0),
+        secs: raw.1 as f64 / 1e6,
+    };
+    r.longest_charged_stall = Stall {
+        from_secs: secs(charged.0),
+        secs: charged.1 as f64 / 1e6,
+    };
+    r.outages = input
+        .outages
+        .iter()
+        .map(|o| OutageOutcome {
+            kind: o.kind,
+            from_secs: secs(o.start_us),
+            secs: (o.end_us - o.start_us) as f64 / 1e6,
+            resumed_after_secs: resumed_after(input.samples, o.end_us),
+        })
+        .collect();
+    r
+}
+
+/// `last_error` up to its first `:`, at most 60 characters.
+fn reason(last_error: Option<&str>) -> String {
+    let e = last_error.unwrap_or("(none)");
+    let head = e.split(':').next().unwrap_or(e).trim();
+    head.chars().take(60).collect()
+}
+
+/// A dead letter this soon after an outage's end still counts as in it.
+const OUTAGE_GRACE_US: i64 = 1_000_000;
+
+/// Rule 3 of the module doc.
+fn justify(
+    dead_at: Option<i64>,
+    answers: &[&AnswerEvent],
+    outages: &[OutageWindow],
+    secs: &dyn Fn(i64) -> f64,
+) -> Result<(), String> {
+    let Some(dead_at) = dead_at else {
+        return Err("no dead_lettered_at".into());
+    };
+    let before: Vec<&AnswerEvent> = answers
+        .iter()
+        .copied()
+        .filter(|a| a.at_us <= dead_at)
+        .collect();
+    let Some(last) = before.last() else {
+        return Err("the sink never answered about it before it was dead-lettered".into());
+    };
+    let history = || history(&before, secs);
+    if last.kind.is_rejection() {
+        if let Some(o) = outages.iter().find(|o| {
+            o.kind == OutageKind::Refused && o.start_us > last.at_us && o.start_us <= dead_at
+        }) {
+            return Err(format!(
+                "connections were refused from {:.3} s, after the sink's last rejection of it; {}",
+                secs(o.start_us),
+                history()
+            ));
+        }
+        return Ok(());
+    }
+    if let Some(o) = outages
+        .iter()
+        .find(|o| o.start_us <= dead_at && dead_at <= o.end_us + OUTAGE_GRACE_US)
+    {
+        return Err(format!(
+            "dead-lettered at {:.3} s, in the {} outage ({:.1}-{:.1} s); {}",
+            secs(dead_at),
+            o.kind.as_str(),
+            secs(o.start_us),
+            secs(o.end_us),
+            history()
+        ));
+    }
+    if !before.iter().any(|a| a.kind.is_rejection()) {
+        return Err(format!(
+            "the sink never rejected the message itself; {}",
+            history()
+        ));
+    }
+    Ok(())
+}
+
+/// The last few answers, for a failure message.
+fn history(answers: &[&AnswerEvent], secs: &dyn Fn(i64) -> f64) -> String {
+    let shown: Vec<String> = answers
+        .iter()
+        .rev()
+        .take(10)
+        .rev()
+        .map(|a| format!("{:?} at {:.3} s", a.kind, secs(a.at_us)))
+        .collect();
+    format!(
+        "the sink's answers about it ({} in all, the last {}): {}",
+        answers.len(),
+        shown.len(),
+        shown.join(", ")
+    )
+}
+
+/// `((start, length) of the longest stall, (start, length) of the longest
+/// stall with outage time excepted)`, unix µs and µs.
+fn stalls(samples: &[ProgressSample], outages: &[OutageWindow]) -> ((i64, i64), (i64, i64)) {
+    let Some(first) = samples.first() else {
+        return ((0, 0), (0, 0));
+    };
+    let (mut since, mut since_charged) = (first.at_us, first.at_us);
+    let (mut raw, mut charged) = ((first.at_us, 0), (first.at_us, 0));
+    for w in samples.windows(2) {
+        let (prev, cur) = (w[0], w[1]);
+        if cur.settled > prev.settled || prev.pending == 0 {
+            since = cur.at_us;
+            since_charged = cur.at_us;
+            continue;
+        }
+        // Outage time does not count: the clock restarts when one ends (or
+        // stands still at `cur` while one lasts).
+        for o in outages {
+            if o.start_us <= cur.at_us {
+                since_charged = since_charged.max(o.end_us.min(cur.at_us));
+            }
+        }
+        if cur.at_us - since > raw.1 {
+            raw = (since, cur.at_us - since);
+        }
+        if cur.at_us - since_charged > charged.1 {
+            charged = (since_charged, cur.at_us - since_charged);
+        }
+    }
+    (raw, charged)
+}
+
+fn resumed_after(samples: &[ProgressSample], end_us: i64) -> Option<f64> {
+    let at_end = samples.iter().rev().find(|s| s.at_us <= end_us)?;
+    if at_end.pending == 0 {
+        return None;
+    }
+    samples
+        .iter()
+        .find(|s| s.at_us > end_us && s.settled > at_end.settled)
+        .map(|s| (s.at_us - end_us) as f64 / 1e6)
+}
+
+/// The row ids [`check`] found justly dead-lettered, for [`crate::verify`].
+pub fn justified(report: &AdversarialReport) -> BTreeSet<i64> {
+    report.justified_dead_letters.iter().copied().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: i64 = 1_000_000;
+
+    fn row(id: i64, published: bool, dead: bool, err: Option<&str>) -> OutboxRow {
+        OutboxRow {
+            id,
+            idempotency_key: format!("k{id}"),
+            partition_key: "p".into(),
+            created_at_us: 0,
+            published,
+            dead_lettered: dead,
+            last_error: err.map(str::to_owned),
+            live_lease: false,
+            poison_marker: false,
+            attempt_count: 1,
+        }
+    }
+
+    fn ans(at_s: i64, id: i64, kind: AnswerKind) -> AnswerEvent {
+        AnswerEvent {
+            at_us: at_s * S,
+            outbox_id: id,
+            kind,
+        }
+    }
+
+    fn progress(points: &[(i64, i64, i64)]) -> Vec<ProgressSample> {
+        points
+            .iter()
+            .map(|&(t, settled, pending)| ProgressSample {
+                at_us: t * S,
+                settled,
+                pending,
+            })
+            .collect()
+    }
+
+    fn input<'a>(
+        rows: &'a [OutboxRow],
+        dead: &'a [(i64, i64)],
+        answers: &'a [AnswerEvent],
+        outages: &'a [OutageWindow],
+        samples: &'a [ProgressSample],
+    ) -> CheckInput<'a> {
+        CheckInput {
+            rows,
+            dead_lettered_at: dead,
+            answers,
+            outages,
+            samples,
+            lease: Duration::from_secs(10),
+            origin_us: 0,
+        }
+    }
+
+    #[test]
+    fn published_needs_an_accepting_answer_and_dead_letters_a_rejection() {
+        let rows = [
+            row(1, true, false, None),
+            row(2, true, false, None),
+            row(3, false, true, Some("HTTP 422: nope")),
+            row(4, false, true, Some("HTTP 503: outage")),
+            row(5, false, true, Some("connect: refused")),
+            row(6, false, false, None),
+            row(7, false, true, Some(" ")),
+            row(8, false, true, Some("attempt 8 of 8 failed: HTTP 503")),
+            row(9, false, true, Some("attempt 8 of 8 failed: HTTP 503")),
+        ];
+        let answers = [
+            ans(1, 1, AnswerKind::AcceptedUnread),
+            ans(2, 1, AnswerKind::Accepted),
+            ans(1, 2, AnswerKind::AcceptedUnread),
+            ans(1, 3, AnswerKind::Failed { status: 503 }),
+            ans(2, 3, AnswerKind::Rejected { status: 422 }),
+            ans(1, 4, AnswerKind::Rejected { status: 400 }),
+            ans(2, 4, AnswerKind::Failed { status: 503 }),
+            ans(1, 5, AnswerKind::Rejected { status: 400 }),
+            ans(1, 7, AnswerKind::Rejected { status: 400 }),
+            ans(1, 8, AnswerKind::Rejected { status: 400 }),
+            ans(11, 8, AnswerKind::Failed { status: 503 }),
+            ans(11, 9, AnswerKind::Failed { status: 503 }),
+        ];
+        let dead = [
+            (3, 3 * S),
+            (4, 3 * S),
+            (5, 9 * S),
+            (7, 2 * S),
+            (8, 12 * S),
+            (9, 12 * S),
+        ];
+        let outages = [
+            OutageWindow {
+                kind: OutageKind::ServerError,
+                start_us: 2 * S,
+                end_us: 5 * S / 2,
+            },
+            OutageWindow {
+                kind: OutageKind::Refused,
+                start_us: 5 * S,
+                end_us: 8 * S,
+            },
+        ];
+        let samples = progress(&[(0, 0, 7), (1, 1, 6), (2, 6, 1)]);
+        let r = check(&input(&rows, &dead, &answers, &outages, &samples));
+        assert_eq!(r.published_unaccepted, vec![2]);
+        assert_eq!(r.unsettled, vec![6]);
+        assert_eq!(r.dead_without_reason, vec![7]);
+        // 8: its own rejections and random failures used its attempts up.
+        assert_eq!(r.justified_dead_letters, vec![3, 7, 8]);
+        let unjust: Vec<i64> = r.unjustified_dead_letters.iter().map(|d| d.id).collect();
+        assert_eq!(unjust, vec![4, 5, 9]);
+        let why: Vec<&str> = r
+            .unjustified_dead_letters
+            .iter()
+            .map(|d| d.why.as_str())
+            .collect();
+        assert!(why[0].starts_with("dead-lettered at 3.000 s, in the server_error outage"));
+        assert!(why[1].starts_with("connections were refused from 5.000 s"));
+        assert!(why[2].starts_with("the sink never rejected the message itself"));
+        assert!(why[2].contains("Failed { status: 503 } at 11.000 s"));
+        assert_eq!(r.dead_letter_reasons["HTTP 422"], 1);
+        assert_eq!(r.answers.rejected, 5);
+        let f = r.failures().join("\n");
+        assert!(f.contains("never answered as accepted: ids 2"), "{f}");
+        assert!(f.contains("id 2: the sink's answers about it (1 in all, the last 1): AcceptedUnread at 1.000 s"), "{f}");
+        assert!(
+            f.contains("neither published nor dead-lettered: ids 6"),
+            "{f}"
+        );
+        assert!(f.contains("id 4: dead-lettered at 3.000 s"), "{f}");
+    }
+
+    #[test]
+    fn stalls_count_outside_outages_only() {
+        let rows = [row(1, true, false, None)];
+        let answers = [ans(1, 1, AnswerKind::Accepted)];
+        // Flat from 10 s to 40 s; an outage from 12 s to 30 s.
+        let samples = progress(&[
+            (0, 0, 100),
+            (10, 50, 50),
+            (20, 50, 50),
+            (30, 50, 50),
+            (38, 50, 50),
+            (40, 60, 40),
+            (41, 100, 0),
+            (70, 100, 0),
+        ]);
+        let outages = [OutageWindow {
+            kind: OutageKind::ServerError,
+            start_us: 12 * S,
+            end_us: 30 * S,
+        }];
+        let r = check(&input(&rows, &[], &answers, &outages, &samples));
+        assert_eq!(r.longest_stall.secs, 28.0);
+        assert_eq!(r.longest_stall.from_secs, 10.0);
+        assert_eq!(r.longest_charged_stall.secs, 8.0);
+        assert_eq!(r.longest_charged_stall.from_secs, 30.0);
+        assert_eq!(r.outages[0].resumed_after_secs, Some(10.0));
+        assert!(r.failures().is_empty(), "{:?}", r.failures());
+        // Nothing pending is no stall; without the outage the flat stretch fails.
+        let r = check(&input(&rows, &[], &answers, &[], &samples));
+        assert_eq!(r.longest_charged_stall.secs, 28.0);
+        assert!(
+            r.failures()[0].contains("longer than the lease"),
+            "{:?}",
+            r.failures()
+        );
+        let r = check(&input(&rows, &[], &answers, &[], &[]));
+        assert_eq!(r.failures(), vec!["progress was not sampled".to_string()]);
+    }
+}

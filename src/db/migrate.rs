@@ -91,6 +91,12 @@ pub struct Report {
 
 /// Brings the schema up to date. Safe to run from many processes at once.
 pub async fn run(client: &mut Client) -> Result<Report, MigrateError> {
+    run_to(client, i32::MAX).await
+}
+
+/// Applies the migrations up to and including `target` (upgrade tests start
+/// from an older schema this way).
+pub async fn run_to(client: &mut Client, target: i32) -> Result<Report, MigrateError> {
     let tx = client.transaction().await?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
         .await?;
@@ -122,7 +128,7 @@ pub async fn run(client: &mut Client) -> Result<Report, MigrateError> {
     }
     let mut applied = Vec::new();
     for m in MIGRATIONS {
-        if rows.iter().any(|r| r.get::<_, i32>(0) == m.version) {
+        if m.version > target || rows.iter().any(|r| r.get::<_, i32>(0) == m.version) {
             continue;
         }
         tx.batch_execute(m.sql)

@@ -1,0 +1,410 @@
+//! Safe on a live database: the producer's commit path, online upgrades of a
+//! populated outbox, and the roles an operator grants.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use outbox_relay::db::{self, migrate};
+use outbox_relay::testkit::TestDb;
+use outbox_relay::{enqueue, NewEvent};
+use serde_json::json;
+use tokio::sync::mpsc;
+use tokio_postgres::AsyncMessage;
+use uuid::Uuid;
+
+fn event(key: &str) -> NewEvent {
+    NewEvent::new(
+        Uuid::new_v4(),
+        "order",
+        key,
+        "order.placed",
+        json!({"orderId": key}),
+        format!("evt-{}", Uuid::new_v4()),
+    )
+}
+
+/// A connection whose notifications arrive on a channel.
+async fn listening(
+    url: &str,
+) -> (
+    tokio_postgres::Client,
+    mpsc::UnboundedReceiver<tokio_postgres::Notification>,
+) {
+    let config = db::parse_url(url).unwrap();
+    let (client, mut connection) = config.connect(tokio_postgres::NoTls).await.unwrap();
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(Ok(message)) = messages.next().await {
+            if let AsyncMessage::Notification(n) = message {
+                let _ = tx.send(n);
+            }
+        }
+    });
+    (client, rx)
+}
+
+/// NOTIFY takes a database-wide lock at commit and holds it through the WAL
+/// flush: every producer transaction that notifies commits after the previous
+/// one. The outbox must not make its producers notify.
+#[tokio::test]
+async fn an_outbox_insert_sends_no_notification() {
+    let db = TestDb::new().await.unwrap();
+    let (listener, mut notes) = listening(&db.url).await;
+    listener
+        .batch_execute("LISTEN outbox_relay")
+        .await
+        .unwrap();
+    let mut producer = db.client().await.unwrap();
+    // The listener sees a notification committed before its next round trip
+    // (a backend delivers them before ReadyForQuery): check that it would.
+    producer.batch_execute("NOTIFY outbox_relay").await.unwrap();
+    listener.batch_execute("SELECT 1").await.unwrap();
+    assert!(notes.try_recv().is_ok(), "the listener must see a NOTIFY");
+
+    let tx = producer.transaction().await.unwrap();
+    enqueue(&tx, &event("k1")).await.unwrap();
+    tx.commit().await.unwrap();
+    listener.batch_execute("SELECT 1").await.unwrap();
+    assert!(
+        notes.try_recv().is_err(),
+        "an outbox insert sent a NOTIFY: its commit serialises with every other producer's"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Online upgrades.
+
+/// A database at schema `version` whose outbox holds `rows` rows.
+async fn populated_at(version: i32, rows: i64) -> TestDb {
+    let db = TestDb::empty().await.unwrap();
+    let mut client = db.client().await.unwrap();
+    migrate::run_to(&mut client, version).await.unwrap();
+    client
+        .execute(
+            "INSERT INTO outbox (tenant_id, aggregate_type, aggregate_id, event_type, payload, idempotency_key)
+             SELECT '00000000-0000-0000-0000-000000000007', 'order', 'o-' || (g % 5000),
+                    'order.placed', jsonb_build_object('n', g), 'seed-' || g
+             FROM generate_series(1, $1::bigint) g",
+            &[&rows],
+        )
+        .await
+        .unwrap();
+    client.batch_execute("VACUUM ANALYZE outbox").await.unwrap();
+    db
+}
+
+/// Producers inserting one event per transaction until `stop`; returns the
+/// longest single insert and how many they made.
+fn producers(
+    db: &TestDb,
+    n: usize,
+    stop: Arc<AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<(Duration, u64)>> {
+    (0..n)
+        .map(|p| {
+            let url = db.url.clone();
+            let stop = Arc::clone(&stop);
+            tokio::spawn(async move {
+                let mut client = db::connect(&url).await.unwrap();
+                let mut longest = Duration::ZERO;
+                let mut made = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let started = Instant::now();
+                    let tx = client.transaction().await.unwrap();
+                    enqueue(&tx, &event(&format!("p{p}-{made}"))).await.unwrap();
+                    tx.commit().await.unwrap();
+                    longest = longest.max(started.elapsed());
+                    made += 1;
+                }
+                (longest, made)
+            })
+        })
+        .collect()
+}
+
+/// What every upgrade must end with, however it got there.
+async fn assert_current_schema(db: &TestDb) {
+    let client = db.client().await.unwrap();
+    let versions: Vec<i32> = client
+        .query(
+            "SELECT version FROM outbox_relay_migrations ORDER BY version",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let all: Vec<i32> = migrate::MIGRATIONS.iter().map(|m| m.version).collect();
+    assert_eq!(versions, all);
+    let not_null: bool = client
+        .query_one(
+            "SELECT attnotnull FROM pg_attribute WHERE attrelid = 'outbox'::regclass AND attname = 'shard'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(not_null, "outbox.shard must be NOT NULL");
+    let unsharded: i64 = client
+        .query_one("SELECT count(*) FROM outbox WHERE shard IS NULL", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(unsharded, 0);
+    // Every index valid, and the ones the relay reads exist with their definition.
+    let invalid: Vec<String> = client
+        .query(
+            "SELECT c.relname::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+             WHERE i.indrelid = 'outbox'::regclass AND NOT (i.indisvalid AND i.indisready)",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert!(invalid.is_empty(), "invalid indexes: {invalid:?}");
+    for (name, columns) in [
+        ("outbox_shard_ready_idx", "(shard, available_at, id)"),
+        ("outbox_shard_key_idx", "(shard, partition_key, id)"),
+        ("outbox_published_at_idx", "(published_at)"),
+    ] {
+        let def: String = client
+            .query_one(
+                "SELECT pg_get_indexdef(c.oid) FROM pg_class c WHERE c.relname = $1",
+                &[&name],
+            )
+            .await
+            .unwrap_or_else(|e| panic!("index {name}: {e}"))
+            .get(0);
+        assert!(def.contains(columns), "{name}: {def}");
+    }
+    // The shard is the one the relay computes from the partition key.
+    let wrong: i64 = client
+        .query_one(
+            "SELECT count(*) FROM outbox, outbox_relay_settings s
+             WHERE shard <> (hashtext(partition_key) & 2147483647) % s.shards",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(wrong, 0, "rows in the wrong shard");
+}
+
+/// Upgrading a populated outbox from schema 0003 while producers insert: no
+/// producer waits long (the issue's 2,000,000-row figure is in
+/// loadtest/reports/online-migration; this is the CI-sized run).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upgrading_a_populated_outbox_keeps_producers_writing() {
+    let db = populated_at(3, 150_000).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let running = producers(&db, 4, Arc::clone(&stop));
+    // Producers are inserting before the upgrade starts.
+    let client = db.client().await.unwrap();
+    assert!(
+        common::wait_until(Duration::from_secs(30), || async {
+            client
+                .query_one("SELECT count(*) > 150000 FROM outbox", &[])
+                .await
+                .unwrap()
+                .get::<_, bool>(0)
+        })
+        .await
+    );
+    let mut migrator = db.client().await.unwrap();
+    let report = migrate::run(&mut migrator).await.unwrap();
+    assert_eq!(report.applied.first(), Some(&4));
+    stop.store(true, Ordering::Relaxed);
+    let mut longest = Duration::ZERO;
+    let mut made = 0;
+    for task in running {
+        let (l, m) = task.await.unwrap();
+        longest = longest.max(l);
+        made += m;
+    }
+    eprintln!("producers made {made} inserts during the upgrade; the longest took {longest:?}");
+    assert!(made > 0);
+    assert!(
+        longest < Duration::from_secs(1),
+        "a producer insert waited {longest:?} during the upgrade"
+    );
+    assert_current_schema(&db).await;
+}
+
+/// The migrating session dies midway through the backfill (a crash, a
+/// deploy, an operator's ^C): the batches it committed stay, and the next run
+/// finishes the upgrade.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_killed_midway_keeps_its_progress_and_resumes() {
+    let db = populated_at(3, 30_000).await;
+    // Hold one row near the end: the backfill reaches it after committing
+    // the batches before it, and waits there.
+    let mut blocker = db.client().await.unwrap();
+    let hold = blocker.transaction().await.unwrap();
+    hold.execute(
+        "SELECT 1 FROM outbox WHERE id = (SELECT max(id) - 10 FROM outbox) FOR UPDATE",
+        &[],
+    )
+    .await
+    .unwrap();
+
+    let mut config = db::parse_url(&db.url).unwrap();
+    config.application_name("livedb-test-migrate");
+    let (mut migrator, connection) = config.connect(tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    let upgrade = tokio::spawn(async move { migrate::run(&mut migrator).await });
+
+    let watcher = db.client().await.unwrap();
+    let waiting_pid = || async {
+        watcher
+            .query_opt(
+                "SELECT pid FROM pg_stat_activity
+                 WHERE application_name = 'livedb-test-migrate' AND wait_event_type = 'Lock'
+                   AND query ILIKE '%UPDATE%outbox%'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .map(|r| r.get::<_, i32>(0))
+    };
+    assert!(
+        common::wait_until(Duration::from_secs(60), || async {
+            waiting_pid().await.is_some()
+        })
+        .await,
+        "the upgrade never reached the held row"
+    );
+    let pid = waiting_pid().await.expect("still waiting");
+    watcher
+        .execute("SELECT pg_terminate_backend($1)", &[&pid])
+        .await
+        .unwrap();
+    let killed = upgrade.await.unwrap();
+    assert!(killed.is_err(), "the killed upgrade must report failure");
+    hold.rollback().await.unwrap();
+
+    // The work committed before the kill is still there.
+    let done: i64 = watcher
+        .query_one(
+            "SELECT count(*) FROM outbox WHERE to_jsonb(outbox) ->> 'shard' IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        done >= 10_000,
+        "only {done} rows kept their shard: the backfill's batches must commit as they go"
+    );
+    let mut again = db.client().await.unwrap();
+    migrate::run(&mut again).await.unwrap();
+    assert_current_schema(&db).await;
+}
+
+/// A crash during CREATE INDEX CONCURRENTLY leaves an INVALID index of that
+/// name behind; `IF NOT EXISTS` would keep it forever. The next run rebuilds it.
+#[tokio::test]
+async fn an_invalid_index_left_by_a_failed_build_is_rebuilt() {
+    let db = populated_at(3, 1_000).await;
+    let client = db.client().await.unwrap();
+    // A unique build over duplicate values fails and leaves its index invalid.
+    let failed = client
+        .batch_execute(
+            "CREATE UNIQUE INDEX CONCURRENTLY outbox_shard_ready_idx ON outbox (aggregate_type)",
+        )
+        .await;
+    assert!(failed.is_err());
+    let mut migrator = db.client().await.unwrap();
+    migrate::run(&mut migrator).await.unwrap();
+    assert_current_schema(&db).await;
+}
+
+// ---------------------------------------------------------------------------
+// Roles.
+
+/// Cluster-wide roles with names of their own, dropped by `drop_all`.
+struct Roles {
+    names: Vec<String>,
+}
+
+impl Roles {
+    fn new(kinds: &[&str]) -> Roles {
+        let tag = &Uuid::new_v4().simple().to_string()[..10];
+        Roles {
+            names: kinds.iter().map(|k| format!("{k}_{tag}")).collect(),
+        }
+    }
+
+    async fn create(&self, db: &TestDb) {
+        let admin = db.client().await.unwrap();
+        for name in &self.names {
+            admin
+                .batch_execute(&format!("CREATE ROLE {name} LOGIN"))
+                .await
+                .unwrap();
+        }
+    }
+
+    fn url(&self, db: &TestDb, role: usize) -> String {
+        db.url
+            .replacen("postgres@", &format!("{}@", self.names[role]), 1)
+    }
+
+    async fn drop_all(&self, db: &TestDb) {
+        let admin = db.client().await.unwrap();
+        for name in &self.names {
+            admin
+                .batch_execute(&format!("DROP OWNED BY {name} CASCADE"))
+                .await
+                .unwrap();
+        }
+        let server = db::connect(&outbox_relay::testkit::url_with_dbname(&db.url, "postgres"))
+            .await
+            .unwrap();
+        for name in &self.names {
+            server
+                .batch_execute(&format!(
+                    "REVOKE ALL ON DATABASE {} FROM {name}; DROP ROLE {name}",
+                    db.name
+                ))
+                .await
+                .unwrap();
+        }
+    }
+}
+
+/// The privileges the enqueue statement names (INSERT, and SELECT on the
+/// columns it returns) are all an application needs: the shard trigger must
+/// not read a table the application was never granted.
+#[tokio::test]
+async fn an_app_role_that_may_only_insert_can_enqueue() {
+    let db = TestDb::new().await.unwrap();
+    let roles = Roles::new(&["app"]);
+    roles.create(&db).await;
+    let admin = db.client().await.unwrap();
+    admin
+        .batch_execute(&format!(
+            "GRANT USAGE ON SCHEMA public TO {app};
+             GRANT INSERT, SELECT (id, idempotency_key) ON outbox TO {app};",
+            app = roles.names[0]
+        ))
+        .await
+        .unwrap();
+    let result = async {
+        let mut app = db::connect(&roles.url(&db, 0)).await?;
+        let tx = app.transaction().await?;
+        enqueue(&tx, &event("k-app")).await?;
+        tx.commit().await?;
+        Ok::<_, Box<dyn std::error::Error>>(())
+    }
+    .await;
+    roles.drop_all(&db).await;
+    result.expect("an app role with INSERT on outbox must be able to enqueue");
+}

@@ -41,6 +41,18 @@ enum Command {
         /// Config file; only `database.url` is read (DATABASE_URL overrides it).
         #[arg(long)]
         config: Option<PathBuf>,
+        /// Print the GRANTs for the application and relay roles instead of migrating.
+        #[arg(long, requires_all = ["app_role", "relay_role"])]
+        print_grants: bool,
+        /// The application's role (enqueues only), for --print-grants.
+        #[arg(long)]
+        app_role: Option<String>,
+        /// The relay's role (no DDL), for --print-grants.
+        #[arg(long)]
+        relay_role: Option<String>,
+        /// The schema holding the outbox, for --print-grants.
+        #[arg(long, default_value = "public")]
+        schema: String,
     },
     /// Run the relay as a daemon until SIGTERM or SIGINT.
     Run {
@@ -124,7 +136,17 @@ fn main() -> ExitCode {
 
 async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
     match command {
-        Command::Migrate { config } => {
+        Command::Migrate {
+            print_grants: true,
+            app_role: Some(app),
+            relay_role: Some(relay),
+            schema,
+            ..
+        } => {
+            print!("{}", db::migrate::grants(&app, &relay, &schema));
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Migrate { config, .. } => {
             let config = Config::load(config.as_deref())?;
             let mut client = db::connect(&config.database.url).await?;
             let report = db::migrate::run(&mut client).await?;

@@ -55,10 +55,7 @@ async fn listening(
 async fn an_outbox_insert_sends_no_notification() {
     let db = TestDb::new().await.unwrap();
     let (listener, mut notes) = listening(&db.url).await;
-    listener
-        .batch_execute("LISTEN outbox_relay")
-        .await
-        .unwrap();
+    listener.batch_execute("LISTEN outbox_relay").await.unwrap();
     let mut producer = db.client().await.unwrap();
     // The listener sees a notification committed before its next round trip
     // (a backend delivers them before ReadyForQuery): check that it would.
@@ -244,14 +241,26 @@ async fn upgrading_a_populated_outbox_keeps_producers_writing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgrade_killed_midway_keeps_its_progress_and_resumes() {
     let db = populated_at(3, 30_000).await;
-    // Hold one row near the end: the backfill reaches it after committing
-    // the batches before it, and waits there.
-    let mut blocker = db.client().await.unwrap();
-    let hold = blocker.transaction().await.unwrap();
-    hold.execute(
-        "SELECT 1 FROM outbox WHERE id = (SELECT max(id) - 10 FROM outbox) FOR UPDATE",
-        &[],
+    // A gate on one row near the end: updating it waits for an advisory lock
+    // the test holds (a row lock would also stop the upgrade's ALTER TABLE).
+    // The backfill reaches it after committing the batches before it.
+    let gate = db.client().await.unwrap();
+    gate.batch_execute(
+        "CREATE FUNCTION test_gate() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN PERFORM pg_advisory_xact_lock(4242); RETURN NEW; END $$;
+         SELECT pg_advisory_lock(4242);",
     )
+    .await
+    .unwrap();
+    let gated: i64 = gate
+        .query_one("SELECT max(id) - 10 FROM outbox", &[])
+        .await
+        .unwrap()
+        .get(0);
+    gate.batch_execute(&format!(
+        "CREATE TRIGGER test_gate BEFORE UPDATE ON outbox
+         FOR EACH ROW WHEN (OLD.id = {gated}) EXECUTE FUNCTION test_gate()"
+    ))
     .await
     .unwrap();
 
@@ -288,7 +297,9 @@ async fn an_upgrade_killed_midway_keeps_its_progress_and_resumes() {
         .unwrap();
     let killed = upgrade.await.unwrap();
     assert!(killed.is_err(), "the killed upgrade must report failure");
-    hold.rollback().await.unwrap();
+    gate.batch_execute("DROP TRIGGER test_gate ON outbox; SELECT pg_advisory_unlock(4242);")
+        .await
+        .unwrap();
 
     // The work committed before the kill is still there.
     let done: i64 = watcher
@@ -407,4 +418,108 @@ async fn an_app_role_that_may_only_insert_can_enqueue() {
     .await;
     roles.drop_all(&db).await;
     result.expect("an app role with INSERT on outbox must be able to enqueue");
+}
+
+/// The three roles of the README, for real: a migrate role that owns the
+/// schema builds it and runs the printed GRANTs; the application enqueues and
+/// deduplicates and can do nothing else to the outbox; the relay delivers
+/// without being able to change the schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_migrate_app_and_relay_roles_do_their_jobs_and_nothing_more() {
+    use common::sink::TestSink;
+    use outbox_relay::consumer::idempotent::consume_once;
+
+    let db = TestDb::empty().await.unwrap();
+    let roles = Roles::new(&["migrator", "app", "relay"]);
+    roles.create(&db).await;
+    let (mig, app, relay) = (&roles.names[0], &roles.names[1], &roles.names[2]);
+    let outcome = async {
+        let admin = db.client().await?;
+        admin
+            .batch_execute(&format!("GRANT CREATE ON SCHEMA public TO {mig}"))
+            .await?;
+
+        // Migrate role: builds the schema and hands out the rest.
+        let mut migrator = db::connect(&roles.url(&db, 0)).await?;
+        migrate::run(&mut migrator).await?;
+        migrator
+            .batch_execute(&migrate::grants(app, relay, "public"))
+            .await?;
+
+        // Application role.
+        let mut app_client = db::connect(&roles.url(&db, 1)).await?;
+        let tx = app_client.transaction().await?;
+        enqueue(&tx, &event("k-roles")).await?;
+        tx.commit().await?;
+        let pool = db::pool(&roles.url(&db, 1), 2, Duration::from_secs(5))?;
+        let consumed = consume_once(&pool, "billing", "m-1", |_tx| {
+            Box::pin(async { Ok::<_, tokio_postgres::Error>(()) })
+        })
+        .await
+        .map_err(|e| format!("{e:?}"))?;
+        assert!(!consumed.is_duplicate());
+        for denied in [
+            "UPDATE outbox SET attempt_count = 0",
+            "DELETE FROM outbox",
+            "SELECT payload FROM outbox",
+            "UPDATE outbox_relay_settings SET shards = 2",
+            "CREATE TABLE app_table (x int)",
+        ] {
+            let e = app_client.batch_execute(denied).await.expect_err(denied);
+            assert_eq!(
+                e.code(),
+                Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE),
+                "{denied}: {e}"
+            );
+        }
+
+        // Relay role: delivers the event.
+        let sink = TestSink::start(common::TOKEN).await;
+        let toml = common::config_toml(&db, &sink.url(), common::QSTASH_ROUTE)
+            .replace(&db.url, &roles.url(&db, 2));
+        let running =
+            outbox_relay::Relay::start(outbox_relay::config::Config::from_toml_str(&toml)?).await?;
+        let delivered = common::wait_until(Duration::from_secs(30), || async {
+            common::count(
+                &db,
+                "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL",
+            )
+            .await
+                == 1
+        })
+        .await;
+        let report = running.shutdown().await;
+        assert!(delivered, "the relay role did not deliver the event");
+        assert_eq!(report.counters.published, 1);
+        let relay_client = db::connect(&roles.url(&db, 2)).await?;
+        for denied in [
+            "ALTER TABLE outbox ADD COLUMN x int",
+            "DROP TABLE outbox_relay_replicas",
+            "INSERT INTO outbox (tenant_id, aggregate_type, aggregate_id, event_type, payload, idempotency_key)
+             VALUES (gen_random_uuid(), 'a', 'b', 'c', '{}', 'forged')",
+            "CREATE TABLE relay_table (x int)",
+        ] {
+            let e = relay_client.batch_execute(denied).await.expect_err(denied);
+            assert!(
+                e.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE)
+                    || e.to_string().contains("must be owner"),
+                "{denied}: {e}"
+            );
+        }
+        // Resharding is the migrate role's (it recompiles the shard trigger).
+        outbox_relay::ops::shards::reshard(&mut migrator, 4).await?;
+        let tx = app_client.transaction().await?;
+        enqueue(&tx, &event("k-after-reshard")).await?;
+        tx.commit().await?;
+        let wrong: i64 = common::count(
+            &db,
+            "SELECT count(*) FROM outbox WHERE shard <> (hashtext(partition_key) & 2147483647) % 4",
+        )
+        .await;
+        assert_eq!(wrong, 0);
+        Ok::<_, Box<dyn std::error::Error>>(())
+    }
+    .await;
+    roles.drop_all(&db).await;
+    outcome.unwrap();
 }

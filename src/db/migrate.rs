@@ -392,9 +392,10 @@ GRANT SELECT, DELETE ON processed_messages TO {relay};
 GRANT SELECT ON outbox_relay_settings, outbox_relay_migrations TO {relay};
 GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_relay_shard_leases, outbox_relay_replicas TO {relay};
 GRANT USAGE ON SEQUENCE outbox_relay_shard_token_seq TO {relay};
--- The relay finds new rows by reading the outbox's id sequence.
+-- The relay finds new rows by reading the outbox's id sequence (and
+-- `dlq replay` moves it to wake the relays).
 DO $$ BEGIN
-    EXECUTE format('GRANT SELECT ON SEQUENCE %s TO %s', pg_get_serial_sequence('outbox', 'id'), '{relay_literal}');
+    EXECUTE format('GRANT SELECT, USAGE ON SEQUENCE %s TO %s', pg_get_serial_sequence('outbox', 'id'), '{relay_literal}');
 END $$;
 
 -- With the partitioned outbox (`outbox-relay partitions setup`), also:

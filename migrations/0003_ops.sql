@@ -3,10 +3,9 @@
 -- Partial, so an INSERT (published_at is NULL) adds no entry and the lease
 -- update (no indexed column changes) stays HOT; the publish mark, which is never
 -- HOT because it changes the ready index's predicate, writes one entry more.
--- On a large existing outbox, build it first without blocking writes:
---   CREATE INDEX CONCURRENTLY IF NOT EXISTS outbox_published_at_idx
---       ON outbox (published_at) WHERE published_at IS NOT NULL;
--- and this migration finds it there.
-CREATE INDEX IF NOT EXISTS outbox_published_at_idx
+-- Built CONCURRENTLY: producers keep inserting while it builds. A build that
+-- died midway leaves an INVALID index; the next run drops and rebuilds it.
+-- step: index outbox_published_at_idx
+CREATE INDEX CONCURRENTLY IF NOT EXISTS outbox_published_at_idx
     ON outbox (published_at)
     WHERE published_at IS NOT NULL;

@@ -73,7 +73,7 @@ pub struct RelayConfig {
     /// How long a claimed row is ours; another relay may claim it after that.
     #[serde(with = "humantime_serde")]
     pub lease: Duration,
-    /// Claim at least this often when no NOTIFY arrives.
+    /// Claim at least this often when the listener has not woken the claimers.
     #[serde(with = "humantime_serde")]
     pub poll_interval: Duration,
     /// The attempt that reaches this count and fails dead-letters the row.

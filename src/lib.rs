@@ -2,9 +2,9 @@
 //! built from actors and delivered to Upstash QStash or any HTTP endpoint.
 //!
 //! ```text
-//! app transaction ── producer::enqueue ──▶ outbox table (+ NOTIFY per statement)
+//! app transaction ── producer::enqueue ──▶ outbox table (no NOTIFY: the relay polls the id sequence)
 //!
-//!  actors::Supervisor ─┬─ Listener   (own connection, LISTEN, reconnects) ── wakes claimers
+//!  actors::Supervisor ─┬─ Listener   (own connection, probes the id sequence) ── wakes claimers
 //!                      ├─ Coordinator       (shard leases: a fair share among replicas)
 //!                      ├─ Claimer × owned shards  (claim a batch under a lease)
 //!                      ├─ Publisher × N     (sink::* over one hyper client)

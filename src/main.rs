@@ -42,7 +42,20 @@ enum LogFormat {
 #[derive(Subcommand)]
 enum Command {
     /// Create or upgrade the schema in DATABASE_URL (safe to run from several replicas at once).
-    Migrate,
+    Migrate {
+        /// Print the GRANTs for the application and relay roles instead of migrating.
+        #[arg(long, requires_all = ["app_role", "relay_role"])]
+        print_grants: bool,
+        /// The application's role (enqueues only), for --print-grants.
+        #[arg(long)]
+        app_role: Option<String>,
+        /// The relay's role (no DDL), for --print-grants.
+        #[arg(long)]
+        relay_role: Option<String>,
+        /// The schema holding the outbox, for --print-grants.
+        #[arg(long, default_value = "public")]
+        schema: String,
+    },
     /// Run the relay as a daemon until SIGTERM or SIGINT.
     Run,
     /// Run the relay until the backlog is empty (or --max-duration passes), print what it did, and exit 0. For cron-style deployments.
@@ -112,7 +125,17 @@ fn main() -> ExitCode {
 
 async fn dispatch(command: Command, config: Option<PathBuf>) -> anyhow::Result<ExitCode> {
     match command {
-        Command::Migrate => {
+        Command::Migrate {
+            print_grants: true,
+            app_role: Some(app),
+            relay_role: Some(relay),
+            schema,
+            ..
+        } => {
+            print!("{}", db::migrate::grants(&app, &relay, &schema));
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Migrate { .. } => {
             let config = Config::load(config.as_deref())?;
             let mut client = db::connect(&config.database.url).await?;
             let report = db::migrate::run(&mut client).await?;
@@ -223,6 +246,6 @@ mod tests {
             assert_eq!(cli.config.as_deref(), Some(Path::new("f.toml")), "{args:?}");
         }
         let cli = Cli::try_parse_from(["outbox-relay", "migrate"]).unwrap();
-        assert!(cli.config.is_none() && matches!(cli.command, Command::Migrate));
+        assert!(cli.config.is_none() && matches!(cli.command, Command::Migrate { .. }));
     }
 }

@@ -271,42 +271,6 @@ async fn an_application_using_only_the_classic_outbox_columns_still_works() {
     assert_eq!(claimed[0].get::<_, i32>(2), 1);
 }
 
-#[tokio::test]
-async fn one_notify_per_inserting_statement() {
-    use futures_util::StreamExt;
-    let db = TestDb::new().await.unwrap();
-    let (listener, mut connection) = outbox_relay::db::parse_url(&db.url)
-        .unwrap()
-        .connect(tokio_postgres::NoTls)
-        .await
-        .unwrap();
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        let mut stream = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
-        while let Some(Ok(msg)) = stream.next().await {
-            if let tokio_postgres::AsyncMessage::Notification(n) = msg {
-                let _ = tx.send(n.channel().to_owned());
-            }
-        }
-    });
-    listener.batch_execute("LISTEN outbox_relay").await.unwrap();
-    let mut client = db.client().await.unwrap();
-    let tx = client.transaction().await.unwrap();
-    let events: Vec<_> = (0..50).map(|i| event(&format!("n{i}"))).collect();
-    enqueue_many(&tx, &events).await.unwrap();
-    tx.commit().await.unwrap();
-    let first = tokio::time::timeout(std::time::Duration::from_secs(5), rx.recv())
-        .await
-        .unwrap();
-    assert_eq!(first.as_deref(), Some("outbox_relay"));
-    // A round trip on the listening connection flushes any further notifications.
-    listener.simple_query("SELECT 1").await.unwrap();
-    assert!(
-        rx.try_recv().is_err(),
-        "a 50-row statement sent more than one NOTIFY"
-    );
-}
-
 #[test]
 fn config_errors_name_their_key() {
     let cases = [

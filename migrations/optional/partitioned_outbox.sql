@@ -108,17 +108,14 @@ END
 $$;
 
 -- Row triggers on a partitioned table are cloned onto every partition.
--- outbox_fill_defaults() (0004: partition key and shard) and outbox_notify()
--- (0001) come from the migrations.
+-- outbox_fill_defaults() (0006: partition key and shard) comes from the
+-- migrations. No NOTIFY trigger: it would serialise producer commits (0006).
 CREATE TRIGGER outbox_fill_defaults
     BEFORE INSERT ON outbox
     FOR EACH ROW EXECUTE FUNCTION outbox_fill_defaults();
 CREATE TRIGGER outbox_idempotency_key
     BEFORE INSERT ON outbox
     FOR EACH ROW EXECUTE FUNCTION outbox_claim_idempotency_key();
-CREATE TRIGGER outbox_notify
-    AFTER INSERT ON outbox
-    FOR EACH STATEMENT EXECUTE FUNCTION outbox_notify();
 
 CREATE FUNCTION outbox_partition_name(day date) RETURNS text
 LANGUAGE sql IMMUTABLE AS $$

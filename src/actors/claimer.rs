@@ -1,7 +1,7 @@
 //! Claimer: one per shard. Claims a batch of ready rows under a lease in one
 //! statement (no transaction held across the network), hands them to the
 //! publishers, and claims again at once while batches come back full;
-//! otherwise it waits for a NOTIFY or the poll interval. It never has more
+//! otherwise it waits for the listener's wake-up or the poll interval. It never has more
 //! rows out than the in-flight permits allow (backpressure).
 
 use std::collections::HashMap;
@@ -251,7 +251,7 @@ const PERMIT_WAIT: Duration = Duration::from_millis(100);
 pub enum ClaimerMsg {
     /// Claim now.
     Claim,
-    /// New rows may be ready (NOTIFY).
+    /// New rows may be ready (the listener saw the id sequence move).
     Wake,
     /// The poll interval passed since the last idle claim.
     Tick(u64),
@@ -324,7 +324,7 @@ impl Actor for Claimer {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             ClaimerMsg::Wake => {
-                // Producers commit in bursts of NOTIFYs: wait a moment so one
+                // Producers commit in bursts: wait a moment so one
                 // claim (and one request) carries the burst, not one row each.
                 if !state.claim_queued {
                     state.claim_queued = true;

@@ -1,22 +1,55 @@
-//! Listener: a dedicated connection (pooled connections drop notifications)
-//! running `LISTEN outbox_relay`; every NOTIFY wakes the claimers. On any error
-//! it reconnects with backoff and re-LISTENs, waking the claimers once to catch
-//! up. NOTIFY is only a latency hint: the claimers' poll keeps the relay live
-//! while the listener is down.
+//! Listener: finds new outbox rows without costing the producers anything.
+//!
+//! The outbox used to NOTIFY on insert, but PostgreSQL serialises the commits
+//! of every transaction that notified (a database-wide lock held through the
+//! commit's WAL flush), so each producer transaction waited for the previous
+//! one. Instead, a dedicated connection probes the outbox's id sequence, a
+//! one-page read that takes no lock a producer waits for, every millisecond
+//! while rows are arriving and backing off to `PROBE_IDLE` when they are not.
+//!
+//! The sequence moves when a producer inserts, before it commits. So a change
+//! wakes the claimers at once (most inserts commit within that millisecond),
+//! and again when every transaction that was running at the change has ended
+//! (the snapshot's xmin passed them) or, with long-running transactions
+//! elsewhere holding xmin back, at growing intervals for up to a second. The
+//! claimers' own poll (`relay.poll_interval`) still guarantees liveness, e.g.
+//! for rows inserted with explicit ids that do not move the sequence. On any
+//! error the listener reconnects with backoff and wakes the claimers once to
+//! catch up.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
-use tokio_postgres::AsyncMessage;
+use tokio::time::Instant;
 
 use super::{reconnect_delay, Shared};
 use crate::db;
 
-/// The channel the insert trigger notifies (migrations/0001_outbox.sql).
-pub const CHANNEL: &str = "outbox_relay";
+/// Probe interval while rows are arriving.
+pub const PROBE_BUSY: Duration = Duration::from_millis(1);
+/// Longest probe interval when nothing moves: the added latency of the first
+/// row after a quiet spell.
+pub const PROBE_IDLE: Duration = Duration::from_millis(10);
+/// How long the listener waits for the transactions that were running when
+/// the sequence moved, waking the claimers at growing intervals meanwhile.
+const SETTLE_FOR: Duration = Duration::from_secs(1);
+const FIRST_SETTLE_WAKE: Duration = Duration::from_millis(4);
+
+/// The sequence behind `outbox.id` (an identity, also on the partitioned outbox).
+const SEQUENCE_SQL: &str = "SELECT pg_get_serial_sequence('outbox', 'id')::regclass::oid";
+
+/// The sequence's position and the cluster's transaction horizon, as text
+/// (xid8 has no binary decoding in the client), in one round trip.
+const PROBE_SQL: &str = "SELECT pg_sequence_last_value($1::oid::regclass),
+       pg_snapshot_xmin(pg_current_snapshot())::text::bigint,
+       pg_snapshot_xmax(pg_current_snapshot())::text::bigint";
+
+/// Without an id sequence: the highest visible id (a backward step on the key).
+const PROBE_MAX_ID_SQL: &str = "SELECT (SELECT max(id) FROM outbox),
+       pg_snapshot_xmin(pg_current_snapshot())::text::bigint,
+       pg_snapshot_xmax(pg_current_snapshot())::text::bigint";
 
 pub struct Listener;
 
@@ -52,12 +85,94 @@ impl Actor for Listener {
 async fn listen_forever(shared: Arc<Shared>) {
     let mut failures = 0u32;
     loop {
-        match listen_once(&shared, &mut failures).await {
-            Ok(()) => tracing::warn!("notification connection closed; reconnecting"),
-            Err(e) => tracing::warn!(error = %e, "notification connection failed; reconnecting"),
+        if let Err(e) = listen_once(&shared, &mut failures).await {
+            tracing::warn!(error = %e, "outbox probe connection failed; reconnecting");
         }
         failures += 1;
         tokio::time::sleep(reconnect_delay(failures)).await;
+    }
+}
+
+/// One probe's reading.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reading {
+    /// The sequence's last value (or the highest id).
+    pub position: Option<i64>,
+    /// The oldest transaction still running.
+    pub xmin: i64,
+    /// The next transaction id to be assigned.
+    pub xmax: i64,
+}
+
+/// When to wake the claimers and how long to sleep, from successive readings.
+#[derive(Debug)]
+pub struct Schedule {
+    last: Option<Option<i64>>,
+    /// The sequence moved at the previous probe: take the horizon now (the
+    /// inserting transaction surely has its id by then).
+    arm: bool,
+    /// Wait for transactions below this id to end.
+    settle: Option<Settle>,
+    interval: Duration,
+}
+
+#[derive(Debug)]
+struct Settle {
+    horizon: i64,
+    since: Instant,
+    next_wake: Instant,
+    step: Duration,
+}
+
+impl Default for Schedule {
+    fn default() -> Self {
+        Schedule {
+            last: None,
+            arm: false,
+            settle: None,
+            interval: PROBE_BUSY,
+        }
+    }
+}
+
+impl Schedule {
+    /// Takes a reading; returns whether to wake the claimers and when to probe next.
+    pub fn observe(&mut self, r: Reading, now: Instant) -> (bool, Duration) {
+        let moved = self.last.is_some_and(|last| last != r.position);
+        self.last = Some(r.position);
+        let mut wake = moved;
+        if self.arm {
+            self.arm = false;
+            self.settle = Some(Settle {
+                horizon: r.xmax,
+                since: now,
+                next_wake: now + FIRST_SETTLE_WAKE,
+                step: FIRST_SETTLE_WAKE,
+            });
+        }
+        if moved {
+            self.arm = true;
+        }
+        if let Some(s) = &mut self.settle {
+            if r.xmin >= s.horizon {
+                // Every transaction that was running at the change has ended.
+                wake = true;
+                self.settle = None;
+            } else if now >= s.next_wake {
+                wake = true;
+                s.step *= 4;
+                s.next_wake = now + s.step;
+                if now.duration_since(s.since) >= SETTLE_FOR {
+                    self.settle = None;
+                }
+            }
+        }
+        self.interval = if moved || self.arm || self.settle.is_some() {
+            PROBE_BUSY
+        } else {
+            (self.interval * 2).min(PROBE_IDLE)
+        };
+        (wake, self.interval)
     }
 }
 
@@ -65,41 +180,104 @@ async fn listen_once(shared: &Shared, failures: &mut u32) -> Result<(), db::DbEr
     let mut config = db::parse_url(&shared.config.database.url)?;
     config.connect_timeout(shared.config.database.connect_timeout);
     config.application_name("outbox-relay listener");
-    // A silently dead peer is noticed by TCP keepalives (the connection only reads).
-    config.keepalives(true);
-    config.keepalives_idle(Duration::from_secs(30));
-    config.keepalives_interval(Duration::from_secs(10));
-    config.keepalives_retries(3);
-    let (client, mut connection) = config.connect(db::tls()).await?;
-    let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
-    {
-        let statement = format!("LISTEN {CHANNEL}");
-        let listen = client.batch_execute(&statement);
-        // The connection must be polled for LISTEN to complete.
-        tokio::pin!(listen);
-        loop {
-            tokio::select! {
-                result = &mut listen => { result?; break; }
-                message = messages.next() => match message {
-                    Some(Ok(_)) => {}
-                    Some(Err(e)) => return Err(e.into()),
-                    None => return Ok(()),
-                }
-            }
+    let (client, connection) = config.connect(db::tls()).await?;
+    let driver = tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "probe connection closed");
         }
-    }
+    });
+    let _driver = AbortOnDrop(driver);
+    let sequence: Option<u32> = client.query_one(SEQUENCE_SQL, &[]).await?.get(0);
+    let probe = match sequence {
+        Some(_) => client.prepare(PROBE_SQL).await?,
+        None => {
+            tracing::warn!("outbox.id has no sequence; probing max(id) instead");
+            client.prepare(PROBE_MAX_ID_SQL).await?
+        }
+    };
     *failures = 0;
-    tracing::debug!("listening for new outbox rows");
+    tracing::debug!("probing for new outbox rows");
     // Rows may have arrived while we were away.
     shared.directory.wake_claimers();
-    // Keep the client alive: dropping it would close the connection.
-    let _client = client;
+    let mut schedule = Schedule::default();
     loop {
-        match messages.next().await {
-            Some(Ok(AsyncMessage::Notification(_))) => shared.directory.wake_claimers(),
-            Some(Ok(_)) => {}
-            Some(Err(e)) => return Err(e.into()),
-            None => return Ok(()),
+        let row = match sequence {
+            Some(oid) => client.query_one(&probe, &[&oid]).await?,
+            None => client.query_one(&probe, &[]).await?,
+        };
+        let reading = Reading {
+            position: row.get(0),
+            xmin: row.get(1),
+            xmax: row.get(2),
+        };
+        let (wake, next) = schedule.observe(reading, Instant::now());
+        if wake {
+            shared.directory.wake_claimers();
         }
+        tokio::time::sleep(next).await;
+    }
+}
+
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(position: i64, xmin: i64, xmax: i64) -> Reading {
+        Reading {
+            position: Some(position),
+            xmin,
+            xmax,
+        }
+    }
+
+    #[test]
+    fn a_moving_sequence_wakes_at_once_and_again_when_its_writers_end() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut s = Schedule::default();
+        assert!(!s.observe(at(10, 100, 100), t0).0);
+        // Idle: the interval grows to PROBE_IDLE.
+        let mut interval = PROBE_BUSY;
+        for i in 1..10 {
+            interval = s.observe(at(10, 100, 100), t0 + ms(i)).1;
+        }
+        assert_eq!(interval, PROBE_IDLE);
+        // An insert moves the sequence: wake, probe fast.
+        assert_eq!(s.observe(at(11, 100, 101), t0 + ms(20)), (true, PROBE_BUSY));
+        // Its transaction (100) still runs: the horizon is taken (102), no wake yet.
+        assert_eq!(
+            s.observe(at(11, 100, 102), t0 + ms(21)),
+            (false, PROBE_BUSY)
+        );
+        // It committed (xmin passed 102): wake once more.
+        assert!(s.observe(at(11, 102, 102), t0 + ms(22)).0);
+        // Then quiet again.
+        let (wake, next) = s.observe(at(11, 102, 102), t0 + ms(23));
+        assert!(!wake);
+        assert!(next > PROBE_BUSY);
+    }
+
+    #[test]
+    fn a_long_transaction_elsewhere_gets_growing_wakes_for_a_second() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut s = Schedule::default();
+        s.observe(at(1, 5, 50), t0);
+        assert!(s.observe(at(2, 5, 50), t0).0);
+        s.observe(at(2, 5, 51), t0 + ms(1)); // horizon 51; xmin stays at 5
+        let wakes: Vec<u64> = (2..2000)
+            .filter(|&i| s.observe(at(2, 5, 51), t0 + ms(i)).0)
+            .collect();
+        assert_eq!(wakes, vec![5, 21, 85, 341, 1365]);
+        // Given up: back to idle probing, no more wakes.
+        assert_eq!(s.observe(at(2, 5, 51), t0 + ms(2001)), (false, PROBE_IDLE));
     }
 }

@@ -1,7 +1,7 @@
 //! The actor tree (docs/architecture.md):
 //!
 //! ```text
-//! Supervisor ─┬─ Listener        LISTEN on its own connection; wakes claimers
+//! Supervisor ─┬─ Listener        probes the id sequence on its own connection; wakes claimers
 //!             ├─ Coordinator     lease a fair share of the shards; start and
 //!             │                  stop their claimers; hand shards over
 //!             ├─ Claimer × owned shards  claim a batch under a lease; hand rows out
@@ -454,7 +454,7 @@ impl Directory {
         *self.coordinator.write().expect("directory lock") = actor;
     }
 
-    /// Wakes every claimer (a NOTIFY arrived, or the listener reconnected).
+    /// Wakes every claimer (new rows may be ready, or the listener reconnected).
     pub fn wake_claimers(&self) {
         for claimer in self.claimers() {
             let _ = claimer.cast(ClaimerMsg::Wake);

@@ -114,8 +114,9 @@ const PURGE_BATCH: &str = concat!(
 RETURNING id"
 );
 
-/// Wakes the relays now rather than at their next poll.
-const WAKE_RELAYS: &str = "SELECT pg_notify('outbox_relay', '')";
+/// Wakes the relays now rather than at their next poll: their listener
+/// watches the outbox's id sequence (one id is spent).
+const WAKE_RELAYS: &str = "SELECT nextval(pg_get_serial_sequence('outbox', 'id'))";
 
 #[derive(Debug, thiserror::Error)]
 pub enum DlqError {

@@ -1,5 +1,5 @@
 //! Connections to PostgreSQL: a pool for the relay's actors, dedicated
-//! connections where a session matters (LISTEN), TLS when the URL asks for it.
+//! connections where a session matters (the listener, migrations), TLS when the URL asks for it.
 
 pub mod migrate;
 

@@ -15,8 +15,12 @@
 //!    than 401/403/408/429 to a request carrying it alone, or an error element
 //!    in its slot of a readable batch answer. A row is dead-lettered justly
 //!    when, before its `dead_lettered_at`, either
-//!    (a) the sink's last answer about it was such a rejection, and no
-//!    `refused` outage (in which the sink sees no request) began since; or
+//!    (a) the sink's last answer about it was such a rejection, and either
+//!    no `refused` outage (in which the sink sees no request) began since,
+//!    or the row's `last_error` is that rejection's (the relay writes the
+//!    error with the dead letter, so a dead letter caused by a refused
+//!    connection names the connection; a mark can land seconds after the
+//!    answer, when the rest of its request waits on a slow sink); or
 //!    (b) the sink rejected it for itself at least once, and it was
 //!    dead-lettered outside every outage and the second after it (attempts
 //!    used up by its own rejections mixed with random failures).
@@ -254,7 +258,13 @@ pub fn check(input: &CheckInput<'_>) -> AdversarialReport {
         {
             r.dead_but_taken += 1;
         }
-        match justify(dead_at.get(&row.id).copied(), answers, input.outages, &secs) {
+        match justify(
+            dead_at.get(&row.id).copied(),
+            row.last_error.as_deref(),
+            answers,
+            input.outages,
+            &secs,
+        ) {
             Ok(()) => r.justified_dead_letters.push(row.id),
             Err(why) => r.unjustified_dead_letters.push(UnjustifiedDeadLetter {
                 id: row.id,
@@ -298,6 +308,7 @@ const OUTAGE_GRACE_US: i64 = 1_000_000;
 /// Rule 3 of the module doc.
 fn justify(
     dead_at: Option<i64>,
+    last_error: Option<&str>,
     answers: &[&AnswerEvent],
     outages: &[OutageWindow],
     secs: &dyn Fn(i64) -> f64,
@@ -315,6 +326,9 @@ fn justify(
     };
     let history = || history(&before, secs);
     if last.kind.is_rejection() {
+        if names_rejection(last_error, last.kind) {
+            return Ok(());
+        }
         if let Some(o) = outages.iter().find(|o| {
             o.kind == OutageKind::Refused && o.start_us > last.at_us && o.start_us <= dead_at
         }) {
@@ -346,6 +360,25 @@ fn justify(
         ));
     }
     Ok(())
+}
+
+/// Does the relay's `last_error` record `rejection` itself (its HTTP status
+/// on a request that carried the message alone, or an element error of a
+/// batch answer, possibly as the last of its attempts), rather than a
+/// connection that failed?
+fn names_rejection(last_error: Option<&str>, rejection: AnswerKind) -> bool {
+    let AnswerKind::Rejected { status } = rejection else {
+        return false;
+    };
+    let Some(error) = last_error else {
+        return false;
+    };
+    // "attempt 8 of 8 failed: <the last attempt's error>"
+    let error = match error.strip_prefix("attempt ") {
+        Some(rest) => rest.split_once(" failed: ").map_or(error, |(_, e)| e),
+        None => error,
+    };
+    error.starts_with(&format!("HTTP {status}:")) || error.starts_with("qstash: ")
 }
 
 /// The last few answers, for a failure message.
@@ -483,6 +516,27 @@ mod tests {
             row(7, false, true, Some(" ")),
             row(8, false, true, Some("attempt 8 of 8 failed: HTTP 503")),
             row(9, false, true, Some("attempt 8 of 8 failed: HTTP 503")),
+            // Marked after the refused outage began, for the rejection itself.
+            row(10, false, true, Some("HTTP 400: bad")),
+            row(
+                11,
+                false,
+                true,
+                Some("attempt 8 of 8 failed: qstash: poison"),
+            ),
+            // Marked after it began, for a refused connection.
+            row(
+                12,
+                false,
+                true,
+                Some("attempt 8 of 8 failed: connect: refused"),
+            ),
+            row(
+                13,
+                false,
+                true,
+                Some("HTTP 404: not the 400 it was answered"),
+            ),
         ];
         let answers = [
             ans(1, 1, AnswerKind::AcceptedUnread),
@@ -497,6 +551,10 @@ mod tests {
             ans(1, 8, AnswerKind::Rejected { status: 400 }),
             ans(11, 8, AnswerKind::Failed { status: 503 }),
             ans(11, 9, AnswerKind::Failed { status: 503 }),
+            ans(1, 10, AnswerKind::Rejected { status: 400 }),
+            ans(1, 11, AnswerKind::Rejected { status: 200 }),
+            ans(1, 12, AnswerKind::Rejected { status: 200 }),
+            ans(1, 13, AnswerKind::Rejected { status: 400 }),
         ];
         let dead = [
             (3, 3 * S),
@@ -505,6 +563,10 @@ mod tests {
             (7, 2 * S),
             (8, 12 * S),
             (9, 12 * S),
+            (10, 6 * S),
+            (11, 6 * S),
+            (12, 6 * S),
+            (13, 6 * S),
         ];
         let outages = [
             OutageWindow {
@@ -524,9 +586,10 @@ mod tests {
         assert_eq!(r.unsettled, vec![6]);
         assert_eq!(r.dead_without_reason, vec![7]);
         // 8: its own rejections and random failures used its attempts up.
-        assert_eq!(r.justified_dead_letters, vec![3, 7, 8]);
+        // 10, 11: their last_error is the rejection, not the refused connection.
+        assert_eq!(r.justified_dead_letters, vec![3, 7, 8, 10, 11]);
         let unjust: Vec<i64> = r.unjustified_dead_letters.iter().map(|d| d.id).collect();
-        assert_eq!(unjust, vec![4, 5, 9]);
+        assert_eq!(unjust, vec![4, 5, 9, 12, 13]);
         let why: Vec<&str> = r
             .unjustified_dead_letters
             .iter()
@@ -537,7 +600,7 @@ mod tests {
         assert!(why[2].starts_with("the sink never rejected the message itself"));
         assert!(why[2].contains("Failed { status: 503 } at 11.000 s"));
         assert_eq!(r.dead_letter_reasons["HTTP 422"], 1);
-        assert_eq!(r.answers.rejected, 5);
+        assert_eq!(r.answers.rejected, 9);
         let f = r.failures().join("\n");
         assert!(f.contains("never answered as accepted: ids 2"), "{f}");
         assert!(f.contains("id 2: the sink's answers about it (1 in all, the last 1): AcceptedUnread at 1.000 s"), "{f}");

@@ -22,7 +22,8 @@ async fn main() -> anyhow::Result<()> {
     if let Some(name) = std::env::args().nth(1) {
         config.consumer = name;
     }
-    let pool = outbox_relay::db::pool(&config.database_url, 8, std::time::Duration::from_secs(5))?;
+    let pool =
+        outbox_relay::store::pool(&config.database_url, 8, std::time::Duration::from_secs(5))?;
     example::prepare(&pool).await?;
     let verifier = Verifier::new(
         &config.current_signing_key,

@@ -19,9 +19,9 @@ pub mod cli;
 pub mod config;
 pub mod consumer;
 pub mod daemon;
-pub mod db;
+pub mod janitor;
 pub mod metrics;
-pub mod ops;
+
 pub mod producer;
 pub mod redact;
 pub mod relay;
@@ -29,6 +29,7 @@ pub mod routes;
 pub mod row;
 pub mod server;
 pub mod sink;
+pub mod store;
 pub mod testkit;
 
 pub use config::Config;

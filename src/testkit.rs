@@ -7,7 +7,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use crate::db;
+use crate::store as db;
 
 /// Where tests look for a server, in order: `TEST_DATABASE_URL`, then this.
 pub const DEFAULT_SERVER_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
@@ -17,7 +17,7 @@ pub enum TestkitError {
     #[error("{0}")]
     Cluster(String),
     #[error(transparent)]
-    Db(#[from] db::DbError),
+    Db(#[from] db::StoreError),
     #[error(transparent)]
     Postgres(#[from] tokio_postgres::Error),
     #[error(transparent)]
@@ -246,7 +246,7 @@ impl TestDb {
     }
 
     pub fn pool(&self, size: u32) -> Result<db::Pool, TestkitError> {
-        Ok(db::pool(&self.url, size, Duration::from_secs(5))?)
+        Ok(db::conn::pool(&self.url, size, Duration::from_secs(5))?)
     }
 }
 

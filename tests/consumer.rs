@@ -535,7 +535,7 @@ fn webhook_tampered_body_missing_and_garbage_headers() {
 
 // ───────────────────────────── consume_once ─────────────────────────────
 
-async fn setup_db() -> (TestDb, outbox_relay::db::Pool) {
+async fn setup_db() -> (TestDb, outbox_relay::store::Pool) {
     let db = TestDb::new().await.unwrap();
     let pool = db.pool(12).unwrap();
     let conn = pool.get().await.unwrap();
@@ -546,7 +546,7 @@ async fn setup_db() -> (TestDb, outbox_relay::db::Pool) {
     (db, pool)
 }
 
-async fn scalar(pool: &outbox_relay::db::Pool, sql: &str) -> i64 {
+async fn scalar(pool: &outbox_relay::store::Pool, sql: &str) -> i64 {
     pool.get()
         .await
         .unwrap()
@@ -609,7 +609,7 @@ async fn consume_once_runs_the_work_once_for_concurrent_duplicates() {
 
 /// Polls until `sql` counts at least one row; the condition, not a delay,
 /// is what the test waits for.
-async fn until_some(pool: &outbox_relay::db::Pool, what: &str, sql: &str) {
+async fn until_some(pool: &outbox_relay::store::Pool, what: &str, sql: &str) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while scalar(pool, sql).await == 0 {
         assert!(tokio::time::Instant::now() < deadline, "never saw: {what}");
@@ -844,7 +844,7 @@ fn sign_for(key: &str, url: &str, body: &[u8]) -> String {
     )
 }
 
-async fn example_server() -> (TestDb, outbox_relay::db::Pool, Server) {
+async fn example_server() -> (TestDb, outbox_relay::store::Pool, Server) {
     let (db, pool) = setup_db().await;
     example::prepare(&pool).await.unwrap();
     let consumer = ExampleConsumer {
@@ -1048,7 +1048,7 @@ async fn example_consumer_answers_5xx_when_the_work_fails_and_processes_the_retr
 
 // ───────────────────────────── failure callback ─────────────────────────────
 
-async fn published_row(pool: &outbox_relay::db::Pool, key: &str) -> i64 {
+async fn published_row(pool: &outbox_relay::store::Pool, key: &str) -> i64 {
     let mut conn = pool.get().await.unwrap();
     let tx = conn.transaction().await.unwrap();
     let event = NewEvent::new(
@@ -1092,7 +1092,7 @@ fn failure_report(source_headers: Value, source_body: &[u8]) -> Vec<u8> {
     .unwrap()
 }
 
-async fn row_state(pool: &outbox_relay::db::Pool, id: i64) -> (bool, Option<String>, bool) {
+async fn row_state(pool: &outbox_relay::store::Pool, id: i64) -> (bool, Option<String>, bool) {
     let row = pool
         .get()
         .await
@@ -1117,7 +1117,7 @@ async fn report_to(server: &Server, key: &str, report: &[u8]) -> Reply {
     .await
 }
 
-async fn callback_server() -> (TestDb, outbox_relay::db::Pool, Server) {
+async fn callback_server() -> (TestDb, outbox_relay::store::Pool, Server) {
     callback_server_with(CallbackOptions::new([CALLBACK_URL])).await
 }
 
@@ -1261,11 +1261,10 @@ async fn failure_callback_ignores_a_late_report_on_a_replayed_row() {
         ids: vec![id],
         ..Default::default()
     };
-    let mut conn = pool.get().await.unwrap();
-    let replayed = outbox_relay::cli::dlq::replay(&mut conn, &selector)
+    let replayed = outbox_relay::store::Store::with_pool(pool.clone())
+        .replay_dead(&selector.selection())
         .await
         .unwrap();
-    drop(conn);
     assert_eq!(replayed.len(), 1);
     pool.get()
         .await
@@ -1291,10 +1290,10 @@ async fn failure_callback_ignores_a_late_report_on_a_replayed_row() {
 
 async fn callback_server_with(
     options: CallbackOptions,
-) -> (TestDb, outbox_relay::db::Pool, Server) {
+) -> (TestDb, outbox_relay::store::Pool, Server) {
     let (db, pool) = setup_db().await;
     let server = serve(failure_callback_router(
-        pool.clone(),
+        outbox_relay::store::Store::with_pool(pool.clone()),
         Verifier::new(CURRENT, Some(NEXT)),
         options,
     ))
@@ -1487,7 +1486,7 @@ async fn guarded_callback_server(
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let (addr, _task) = outbox_relay::server::callback::serve(
         "127.0.0.1:0".parse().unwrap(),
-        pool,
+        outbox_relay::store::Store::with_pool(pool),
         Verifier::new(CURRENT, Some(NEXT)),
         options,
         async {

@@ -585,7 +585,8 @@ async fn webhook_routes_post_signed_events_and_retry_themselves() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replayed_dead_letters_are_published_again_with_new_dedup_ids() {
-    use outbox_relay::cli::dlq::{replay, Selector};
+    use outbox_relay::store::dead_letters::Selection;
+    use outbox_relay::store::Store;
     let db = TestDb::new().await.unwrap();
     let sink = TestSink::start(TOKEN).await;
     // The destination rejects everything at first.
@@ -605,16 +606,14 @@ async fn replayed_dead_letters_are_published_again_with_new_dedup_ids() {
     );
     // Fixed now; the operator replays every dead letter while the relay runs.
     sink.set_rule(|_| Reply::Accept);
-    let mut client = db.client().await.unwrap();
-    let replayed = replay(
-        &mut client,
-        &Selector {
+    let replayed = Store::for_command(&db.url)
+        .unwrap()
+        .replay_dead(&Selection {
             all: true,
             ..Default::default()
-        },
-    )
-    .await
-    .unwrap();
+        })
+        .await
+        .unwrap();
     assert_eq!(replayed.len(), 5);
     assert!(
         wait_until(DRAIN_LIMIT, || async {
@@ -652,8 +651,10 @@ async fn the_shard_count_is_the_databases_and_reshard_changes_it() {
         text.contains("relay.shards") && text.contains("sharded 8 ways"),
         "{text}"
     );
-    let mut client = db.client().await.unwrap();
-    let rewritten = outbox_relay::ops::shards::reshard(&mut client, 3)
+    let client = db.client().await.unwrap();
+    let rewritten = outbox_relay::store::Store::for_command(&db.url)
+        .unwrap()
+        .reshard(3)
         .await
         .unwrap();
     assert_eq!(rewritten, 300);

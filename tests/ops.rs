@@ -7,9 +7,10 @@ use std::time::Duration;
 
 use chrono::{DateTime, Timelike, Utc};
 use outbox_relay::config::{Config, JanitorConfig};
-use outbox_relay::ops::partitions::{self, MaintainOptions, PartitionAction};
-use outbox_relay::ops::prune::{self, run_janitor, run_janitor_observed, PruneOptions};
-use outbox_relay::ops::stats::{self, snapshot};
+use outbox_relay::janitor::{run_janitor, run_janitor_observed};
+use outbox_relay::store::partitions::{self, MaintainOptions, PartitionAction};
+use outbox_relay::store::retention::{self as prune, PruneOptions};
+use outbox_relay::store::stats::{self, snapshot};
 use outbox_relay::testkit::TestDb;
 use serde_json::Value;
 use tokio_postgres::Client;
@@ -504,7 +505,7 @@ async fn janitor_prunes_at_start_and_stops_on_shutdown() {
     let (passes_tx, mut passes) = tokio::sync::mpsc::unbounded_channel();
     // An hour between passes: only the pass at start can happen in this test.
     let janitor = tokio::spawn(run_janitor_observed(
-        db.pool(2).unwrap(),
+        outbox_relay::store::Store::with_pool(db.pool(2).unwrap()),
         janitor_config(Duration::from_secs(3600)),
         async {
             let _ = stopped.await;
@@ -553,7 +554,7 @@ async fn janitor_repeats_every_interval_and_survives_errors() {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let (passes_tx, mut passes) = tokio::sync::mpsc::unbounded_channel();
     let janitor = tokio::spawn(run_janitor_observed(
-        db.pool(2).unwrap(),
+        outbox_relay::store::Store::with_pool(db.pool(2).unwrap()),
         janitor_config(Duration::from_millis(20)),
         async {
             let _ = stopped.await;
@@ -589,14 +590,14 @@ async fn a_disabled_janitor_returns_at_once() {
     let summary = tokio::time::timeout(
         PATIENCE,
         run_janitor(
-            db.pool(1).unwrap(),
+            outbox_relay::store::Store::with_pool(db.pool(1).unwrap()),
             JanitorConfig::default(),
             std::future::pending(),
         ),
     )
     .await
     .expect("disabled means no loop");
-    assert_eq!(summary, prune::JanitorSummary::default());
+    assert_eq!(summary, outbox_relay::janitor::JanitorSummary::default());
 }
 
 #[test]

@@ -25,7 +25,7 @@ use tokio_postgres::types::Type;
 
 use super::idempotent::{consume_once, ConsumeError, Consumed, OUTBOX_ID_HEADER};
 use super::qstash::{public_url, request_url, Verifier};
-use crate::db::{DbError, Pool};
+use crate::store::{Pool, StoreError as DbError};
 
 /// QStash's "do not retry" answer (must come with [`NON_RETRYABLE_HEADER`]).
 pub const NON_RETRYABLE_STATUS: u16 = 489;

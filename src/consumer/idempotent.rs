@@ -8,7 +8,7 @@ use futures_util::future::BoxFuture;
 use tokio_postgres::types::Type;
 use tokio_postgres::Transaction;
 
-use crate::db::{DbError, Pool};
+use crate::store::{Pool, StoreError as DbError};
 
 /// The header the relay forwards the outbox row id in; consumers key on it.
 pub const OUTBOX_ID_HEADER: &str = "x-outbox-id";
@@ -56,7 +56,7 @@ ON CONFLICT (consumer, message_id) DO NOTHING";
 /// through it commits or rolls back together with that row:
 ///
 /// ```no_run
-/// # async fn f(pool: outbox_relay::db::Pool) {
+/// # async fn f(pool: outbox_relay::store::Pool) {
 /// use outbox_relay::consumer::idempotent::{consume_once, Consumed};
 /// let r = consume_once(&pool, "billing", "42", |tx| {
 ///     Box::pin(async move {

@@ -283,7 +283,7 @@ pub struct Sinks {
     pub client: HttpClient,
     pub qstash: qstash::QstashSink,
     pub max_message_bytes: usize,
-    pub breakers: breaker::Breakers,
+    pub breakers: std::sync::Arc<breaker::Breakers>,
 }
 
 impl Sinks {

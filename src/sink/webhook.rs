@@ -17,7 +17,6 @@ use http_body_util::Full;
 
 use super::http::HttpClient;
 use super::{classify, transport_outcome, DeadReason, Outcome};
-use crate::metrics;
 use crate::routes::Route;
 use crate::row::OutboxRow;
 
@@ -80,7 +79,7 @@ pub async fn deliver(
                 Err(outcome) => return outcome,
             };
             let result = client.send(request).await;
-            metrics::record_request("webhook", &result);
+            super::http::record_request("webhook", &result);
             match result {
                 Ok(response) => classify(&response),
                 Err(e) => transport_outcome(&e),

@@ -4,9 +4,9 @@
 use std::process::{Command, ExitCode};
 
 use clap::Parser;
+use outbox_client::{enqueue, Enqueued, NewEvent};
 use outbox_relay::cli::dlq::{self, DlqCommand, DlqError, Selector};
 use outbox_relay::testkit::TestDb;
-use outbox_relay::{enqueue, Enqueued, NewEvent};
 use serde_json::{json, Value};
 use tokio_postgres::Client;
 use uuid::Uuid;

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use metrics::{counter, gauge, histogram};
+use outbox_client::row::OutboxRow;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_postgres::types::{ToSql, Type};
@@ -19,8 +20,8 @@ use uuid::Uuid;
 
 use super::{reconnect_delay, Held, Lease, Mark, Marked, MarkerMsg, PublisherMsg, Shared};
 use crate::db::PooledConn;
+use crate::jsonb::{compact_json, parse_headers};
 use crate::metrics as m;
-use crate::row::{compact_json, parse_headers, OutboxRow};
 use crate::sink::DeadReason;
 
 /// Every claim ends the same way: lease the rows chosen by its `claimable`

@@ -25,6 +25,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
+use outbox_client::row::OutboxRow;
 use ractor::ActorRef;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -32,7 +33,6 @@ use crate::backoff::Backoff;
 use crate::config::Config;
 use crate::db;
 use crate::routes::Router;
-use crate::row::OutboxRow;
 use crate::sink::{DeadReason, RetryReason, Sinks};
 
 pub use claimer::ClaimerMsg;

@@ -5,12 +5,12 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use outbox_client::row::OutboxRow;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::claimer::send_to_marker;
 use super::{Lease, Mark, Marked, Shared};
 use crate::metrics as m;
-use crate::row::OutboxRow;
 use crate::sink::breaker::{self, Admit};
 use crate::sink::{DeadReason, Outcome, RetryReason};
 

@@ -24,11 +24,11 @@ use axum::Router;
 use base64::engine::general_purpose::{STANDARD, STANDARD_NO_PAD, URL_SAFE, URL_SAFE_NO_PAD};
 use base64::Engine;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use outbox_client::consumer::qstash::{SignatureError, Verifier};
 use serde::Deserialize;
 use tokio::sync::Semaphore;
 use tokio_postgres::types::Type;
 
-use crate::consumer::qstash::{SignatureError, Verifier};
 use crate::db::{self, Pool};
 
 pub const FAILURE_PATH: &str = "/qstash/failure";

@@ -8,6 +8,7 @@ use futures_util::future::join_all;
 use http::header::{AUTHORIZATION, CONTENT_TYPE};
 use http::{HeaderValue, Method, Request};
 use http_body_util::Full;
+use outbox_client::row::OutboxRow;
 use serde::Serialize;
 
 use super::http::HttpClient;
@@ -15,7 +16,6 @@ use super::{classify, transport_outcome, DeadReason, Outcome, RetryReason, MAX_E
 use crate::config::{HttpConfig, PublishMode, QstashConfig};
 use crate::metrics;
 use crate::routes::Route;
-use crate::row::OutboxRow;
 
 /// One message as QStash takes it: destination, lower-case headers, body.
 #[derive(Debug, Clone, PartialEq, Serialize)]

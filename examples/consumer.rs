@@ -34,12 +34,11 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::Router;
-use serde_json::Value;
-use tokio_postgres::types::Type;
-
 use outbox_client::consumer::idempotent::{consume_once, ConsumeError, Consumed, OUTBOX_ID_HEADER};
 use outbox_client::consumer::qstash::{public_url, request_url, Verifier};
 use outbox_relay::db::{DbError, Pool};
+use serde_json::Value;
+use tokio_postgres::types::Type;
 
 /// QStash's "do not retry" answer (must come with [`NON_RETRYABLE_HEADER`]).
 pub const NON_RETRYABLE_STATUS: u16 = 489;

@@ -3,8 +3,9 @@
 
 use std::sync::{Arc, Mutex};
 
+use outbox_client::consumer::qstash::Verifier;
+
 use crate::config::Config;
-use crate::consumer::qstash::Verifier;
 use crate::relay::Relay;
 use crate::server::callback::{self, CallbackOptions};
 use crate::server::ops::{self, OpsState, Readiness};

@@ -4,10 +4,10 @@
 use std::process::{Command, ExitCode};
 
 use clap::Parser;
+use outbox_client::{enqueue, Enqueued, NewEvent};
 use outbox_relay::cli::dlq::{self, DlqCommand, Selector};
 use outbox_relay::store::{Store, StoreError};
 use outbox_relay::testkit::TestDb;
-use outbox_relay::{enqueue, Enqueued, NewEvent};
 use serde_json::{json, Value};
 use tokio_postgres::Client;
 use uuid::Uuid;

@@ -8,9 +8,10 @@ use std::time::Duration;
 
 use common::sink::{Reply, TestSink};
 use common::{config, count, insert_events, pending, wait_until, QSTASH_ROUTE, TOKEN};
+use outbox_client::{enqueue, NewEvent};
 use outbox_relay::actors::Hooks;
 use outbox_relay::testkit::TestDb;
-use outbox_relay::{enqueue, NewEvent, Relay};
+use outbox_relay::Relay;
 use serde_json::json;
 use uuid::Uuid;
 
@@ -87,7 +88,7 @@ async fn qstash_headers_are_those_the_official_sdk_sends() {
     .await
     .unwrap();
     tx.commit().await.unwrap();
-    let outbox_relay::Enqueued::New { id } = created else {
+    let outbox_client::Enqueued::New { id } = created else {
         panic!()
     };
     let relay = Relay::start(cfg).await.unwrap();
@@ -366,7 +367,7 @@ async fn ordered_keys_hold_back_behind_a_failing_event_and_others_flow() {
             events.push(common::event(round * 10 + k, &format!("order:k{k}")));
         }
     }
-    outbox_relay::enqueue_many(&tx, &events).await.unwrap();
+    outbox_client::enqueue_many(&tx, &events).await.unwrap();
     tx.commit().await.unwrap();
     sink.set_rule(|m| {
         if m.dedup_id == "evt-1000" && m.attempt < 2 {
@@ -509,7 +510,7 @@ async fn recovers_when_its_database_connections_are_terminated() {
     let events: Vec<_> = (5000..5200)
         .map(|i| common::event(i, &format!("order:k{}", i % 20)))
         .collect();
-    outbox_relay::enqueue_many(&tx, &events).await.unwrap();
+    outbox_client::enqueue_many(&tx, &events).await.unwrap();
     tx.commit().await.unwrap();
     assert!(
         wait_until(DRAIN_LIMIT, || async { pending(&db).await == 0 }).await,
@@ -679,7 +680,7 @@ async fn insert_events_from(db: &TestDb, start: usize, n: usize) {
     let events: Vec<_> = (start..start + n)
         .map(|i| common::event(i, &format!("order:k{}", i % 50)))
         .collect();
-    outbox_relay::enqueue_many(&tx, &events).await.unwrap();
+    outbox_client::enqueue_many(&tx, &events).await.unwrap();
     tx.commit().await.unwrap();
     assert_eq!(
         count(db, "SELECT count(*) FROM outbox WHERE shard >= 3").await,

@@ -2,10 +2,10 @@
 
 use std::process::Command;
 
+use outbox_client::{enqueue, enqueue_many, EnqueueError, Enqueued, NewEvent};
 use outbox_relay::config::Config;
 use outbox_relay::store::migrate;
 use outbox_relay::testkit::TestDb;
-use outbox_relay::{enqueue, enqueue_many, EnqueueError, Enqueued, NewEvent};
 use serde_json::json;
 use uuid::Uuid;
 

@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
+use outbox_client::{enqueue, NewEvent};
 use outbox_relay::store::{self as db, migrate};
 use outbox_relay::testkit::TestDb;
-use outbox_relay::{enqueue, NewEvent};
 use serde_json::json;
 use tokio::sync::mpsc;
 use tokio_postgres::AsyncMessage;
@@ -469,7 +469,7 @@ async fn an_app_role_that_may_only_insert_can_enqueue() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_migrate_app_and_relay_roles_do_their_jobs_and_nothing_more() {
     use common::sink::TestSink;
-    use outbox_relay::consumer::idempotent::consume_once;
+    use outbox_client::consumer::idempotent::consume_once;
 
     let db = TestDb::empty().await.unwrap();
     let roles = Roles::new(&["migrator", "app", "relay"]);
@@ -493,8 +493,7 @@ async fn the_migrate_app_and_relay_roles_do_their_jobs_and_nothing_more() {
         let tx = app_client.transaction().await?;
         enqueue(&tx, &event("k-roles")).await?;
         tx.commit().await?;
-        let pool = db::pool(&roles.url(&db, 1), 2, Duration::from_secs(5))?;
-        let consumed = consume_once(&pool, "billing", "m-1", |_tx| {
+        let consumed = consume_once(&mut app_client, "billing", "m-1", |_tx| {
             Box::pin(async { Ok::<_, tokio_postgres::Error>(()) })
         })
         .await

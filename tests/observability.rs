@@ -17,9 +17,9 @@ use common::sink::{Received, Reply, TestSink};
 use common::{count, event, insert_events, pending, wait_until};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
+use outbox_client::{enqueue_many, NewEvent};
 use outbox_relay::metrics::names;
 use outbox_relay::testkit::TestDb;
-use outbox_relay::{enqueue_many, NewEvent};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");

@@ -776,7 +776,7 @@ async fn partitioned_outbox_claims_dedupes_prunes_and_drops_old_partitions() {
     {
         let mut producer = db.client().await.unwrap();
         let tx = producer.transaction().await.unwrap();
-        let fresh = outbox_relay::NewEvent::new(
+        let fresh = outbox_client::NewEvent::new(
             uuid::Uuid::nil(),
             "order",
             "p",
@@ -784,12 +784,12 @@ async fn partitioned_outbox_claims_dedupes_prunes_and_drops_old_partitions() {
             serde_json::json!({}),
             "k-producer",
         );
-        assert!(outbox_relay::enqueue(&tx, &fresh).await.unwrap().is_new());
+        assert!(outbox_client::enqueue(&tx, &fresh).await.unwrap().is_new());
         let mut repeat = fresh.clone();
         repeat.idempotency_key = "k-10".into();
         assert_eq!(
-            outbox_relay::enqueue(&tx, &repeat).await.unwrap(),
-            outbox_relay::Enqueued::Duplicate
+            outbox_client::enqueue(&tx, &repeat).await.unwrap(),
+            outbox_client::Enqueued::Duplicate
         );
         tx.rollback().await.unwrap();
     }

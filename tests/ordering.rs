@@ -8,9 +8,10 @@ use std::time::{Duration, Instant};
 
 use common::sink::TestSink;
 use common::{config, count, pending, wait_until, TOKEN};
+use outbox_client::{enqueue_many, NewEvent};
 use outbox_relay::config::PublishMode;
 use outbox_relay::testkit::TestDb;
-use outbox_relay::{enqueue_many, NewEvent, Relay};
+use outbox_relay::Relay;
 use serde_json::json;
 use uuid::Uuid;
 

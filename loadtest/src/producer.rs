@@ -1,5 +1,5 @@
 //! Load producers: events written the way an application writes them
-//! (`outbox_relay::enqueue_many` in its own transactions, paced or flat out),
+//! (`outbox_client::enqueue_many` in its own transactions, paced or flat out),
 //! or a backlog preloaded with binary COPY.
 //!
 //! Events are spread over `tenants` tenants and `partition_keys` keys (each key
@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use outbox_relay::{enqueue_many, NewEvent};
+use outbox_client::{enqueue_many, NewEvent};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -31,7 +31,7 @@ pub enum ProduceError {
     #[error("database: {0}")]
     Postgres(#[from] tokio_postgres::Error),
     #[error("enqueue: {0}")]
-    Enqueue(#[from] outbox_relay::EnqueueError),
+    Enqueue(#[from] outbox_client::EnqueueError),
     #[error("database URL: {0}")]
     Url(String),
     #[error("{0}")]

@@ -2,8 +2,8 @@
 
 use loadtest::sink::Record;
 use loadtest::verify::{verify, VerifyOptions};
+use outbox_client::{enqueue_many, NewEvent};
 use outbox_relay::testkit::TestDb;
-use outbox_relay::{enqueue_many, NewEvent};
 use serde_json::json;
 use uuid::Uuid;
 
@@ -52,7 +52,7 @@ async fn fixture() -> Fixture {
         .unwrap()
         .into_iter()
         .map(|e| match e {
-            outbox_relay::Enqueued::New { id } => id,
+            outbox_client::Enqueued::New { id } => id,
             other => panic!("{other:?}"),
         })
         .collect();

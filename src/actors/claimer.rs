@@ -24,11 +24,11 @@ use super::publisher::{PublisherMsg, Publishers};
 use super::Counters;
 use crate::metrics as m;
 use crate::routes::Router;
-use crate::row::OutboxRow;
 use crate::sink::breaker::Breakers;
 use crate::sink::DeadReason;
 use crate::store::outbox::{no_cursor, ClaimScope, Claimed, Cursor, Held};
 use crate::store::{Fence, Session, ShardId, Store, StoreError};
+use outbox_client::row::OutboxRow;
 
 /// How long a wake-up waits before claiming, to gather a burst of inserts.
 const WAKE_COALESCE: Duration = Duration::from_millis(1);

@@ -90,7 +90,7 @@ impl Counters {
 }
 
 /// A test's choice of rows, by content.
-pub type RowPredicate = Arc<dyn Fn(&crate::row::OutboxRow) -> bool + Send + Sync>;
+pub type RowPredicate = Arc<dyn Fn(&outbox_client::row::OutboxRow) -> bool + Send + Sync>;
 
 /// Fault injection for tests of the recovery path.
 #[derive(Clone, Default)]

@@ -14,9 +14,9 @@ use super::ownership::Ownership;
 use crate::backoff::Backoff;
 use crate::metrics as m;
 use crate::routes::Router;
-use crate::row::OutboxRow;
 use crate::sink::breaker::{self, Admit};
 use crate::sink::{DeadReason, Outcome, RetryReason, Sinks};
+use outbox_client::row::OutboxRow;
 
 #[derive(Debug)]
 pub enum PublisherMsg {

@@ -27,9 +27,9 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde::Deserialize;
 use tokio::sync::Semaphore;
 
-use crate::consumer::qstash::{SignatureError, Verifier};
 use crate::store::outbox::ReportedDead;
 use crate::store::{Store, StoreError};
+use outbox_client::consumer::qstash::{SignatureError, Verifier};
 
 pub const FAILURE_PATH: &str = "/qstash/failure";
 

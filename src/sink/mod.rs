@@ -9,10 +9,11 @@ pub mod webhook;
 
 use std::time::{Duration, SystemTime};
 
+use outbox_client::row::OutboxRow;
+
 use crate::backoff::parse_retry_after;
 use crate::config::{BodyShape, SinkKind};
 use crate::routes::{Route, TemplateValues};
-use crate::row::OutboxRow;
 
 pub use self::http::{HttpClient, Response, TransportError};
 

@@ -8,13 +8,13 @@ use futures_util::future::join_all;
 use http::header::{AUTHORIZATION, CONTENT_TYPE};
 use http::{HeaderValue, Method, Request};
 use http_body_util::Full;
+use outbox_client::row::OutboxRow;
 use serde::Serialize;
 
 use super::http::HttpClient;
 use super::{classify, transport_outcome, DeadReason, Outcome, RetryReason, MAX_ERROR_CHARS};
 use crate::config::{HttpConfig, PublishMode, QstashConfig};
 use crate::routes::Route;
-use crate::row::OutboxRow;
 
 /// One message as QStash takes it: destination, lower-case headers, body.
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -13,7 +13,8 @@ use tokio_postgres::types::Type;
 use uuid::Uuid;
 
 use super::{Fence, Session, Sql, Store, StoreError};
-use crate::row::{compact_json, parse_headers, OutboxRow};
+use crate::jsonb::{compact_json, parse_headers};
+use outbox_client::row::OutboxRow;
 
 /// Every claim ends the same way: lease the rows chosen by its `claimable`
 /// CTE (`$2` ms) and return them, if the shard (`$3`) is still held under the

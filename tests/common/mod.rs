@@ -7,9 +7,9 @@ pub mod sink;
 
 use std::time::Duration;
 
+use outbox_client::{enqueue_many, NewEvent};
 use outbox_relay::config::Config;
 use outbox_relay::testkit::TestDb;
-use outbox_relay::{enqueue_many, NewEvent};
 use serde_json::json;
 use uuid::Uuid;
 

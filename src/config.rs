@@ -60,10 +60,11 @@ pub struct DatabaseConfig {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct RelayConfig {
-    /// Shards, one claimer each; a row's shard is a hash of its partition key.
-    /// Must equal the database's count (`outbox_relay_settings`, 8 unless
-    /// changed with `outbox-relay reshard`).
-    pub shards: u32,
+    /// How many shards the relay expects the outbox to be split into (one
+    /// claimer each, shared among the replicas). Unset, it follows the
+    /// database (8 unless changed with `outbox-relay reshard`, which relays
+    /// follow while they run); set, the relay refuses to start on another count.
+    pub shards: Option<u32>,
     /// Publisher actors sharing the HTTP client.
     pub publishers: u32,
     /// Rows one claim statement takes.
@@ -265,7 +266,7 @@ impl Default for DatabaseConfig {
 impl Default for RelayConfig {
     fn default() -> Self {
         RelayConfig {
-            shards: 8,
+            shards: None,
             publishers: 4,
             claim_batch: 500,
             max_in_flight: 5000,
@@ -481,7 +482,7 @@ impl Config {
                 "must be at least 1",
             ));
         }
-        if r.shards == 0 || r.shards > 1024 {
+        if r.shards.is_some_and(|n| n == 0 || n > 1024) {
             return Err(ConfigError::invalid(
                 "relay.shards",
                 "must be between 1 and 1024",
@@ -582,13 +583,15 @@ impl Config {
             ));
         }
         // Claimers, the marker and the coordinator each hold a connection;
-        // the gauges need one more.
-        if self.database.pool_size < self.relay.shards + 3 {
+        // the gauges need one more. (Checked again at start against the
+        // database's shard count.)
+        let claimers = self.relay.shards.unwrap_or(1);
+        if self.database.pool_size < claimers + 3 {
             return Err(ConfigError::invalid(
                 "database.pool_size",
                 format!(
                     "must be at least relay.shards + 3 ({}): each claimer, the marker and the shard coordinator keep a connection",
-                    self.relay.shards + 3
+                    claimers + 3
                 ),
             ));
         }

@@ -67,7 +67,7 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Change how many shards the outbox is hashed into (stop the relays first; set relay.shards to match).
+    /// Change how many shards the outbox's buckets are split into (relays may keep running).
     Reshard {
         /// The new shard count (1-1024).
         shards: u32,
@@ -192,9 +192,8 @@ async fn dispatch(command: Command, config: Option<PathBuf>) -> anyhow::Result<E
         Command::Reshard { shards } => {
             let config = Config::load(config.as_deref())?;
             let store = Store::for_command(&config.database.url)?;
-            let before = store.shard_count().await?;
-            let rows = store.reshard(shards).await?;
-            println!("resharded from {before} to {shards} shards ({rows} rows rewritten); set relay.shards = {shards}");
+            let before = store.reshard(shards).await?;
+            println!("resharded from {before} to {shards} shards; running relays take the new shards on their next round (no outbox row was rewritten)");
             Ok(ExitCode::SUCCESS)
         }
         Command::CheckConfig => {

@@ -114,7 +114,7 @@ impl Relay {
             config.database.pool_size,
             config.database.connect_timeout,
         )?;
-        check_schema(&store, config.relay.shards).await?;
+        check_schema(&store, &config).await?;
         let router = Arc::new(Router::new(&config.routes).map_err(RelayError::Config)?);
         let r = &config.relay;
         let breakers = Arc::new(Breakers::new(
@@ -202,7 +202,10 @@ impl Relay {
                 store: store.clone(),
                 me: replica.clone(),
                 shard_lease: r.shard_lease,
-                shards: r.shards,
+                // The marker, the coordinator and the gauges keep one each.
+                max_shards: (config.database.pool_size as usize)
+                    .saturating_sub(3)
+                    .max(1),
                 ownership: Arc::clone(&ownership),
                 claimers: claimers.clone(),
                 winddown: winddown.clone(),
@@ -356,7 +359,7 @@ impl Relay {
     }
 }
 
-async fn check_schema(store: &Store, shards: u32) -> Result<(), RelayError> {
+async fn check_schema(store: &Store, config: &Config) -> Result<(), RelayError> {
     let latest = Store::latest_schema();
     match store.schema_version().await? {
         None => Err(RelayError::Schema(
@@ -367,9 +370,19 @@ async fn check_schema(store: &Store, shards: u32) -> Result<(), RelayError> {
         ))),
         Some(_) => {
             let in_db = store.shard_count().await?;
-            if in_db != shards {
+            match config.relay.shards {
+                Some(shards) if shards != in_db => {
+                    return Err(RelayError::Config(format!(
+                        "configuration key `relay.shards`: is {shards}, but the outbox is split into {in_db} shards; remove the key to follow the database, set relay.shards = {in_db}, or change the database with `outbox-relay reshard {shards}`"
+                    )));
+                }
+                _ => {}
+            }
+            let pool = config.database.pool_size;
+            if pool < in_db + 3 {
                 return Err(RelayError::Config(format!(
-                    "configuration key `relay.shards`: is {shards}, but the outbox is sharded {in_db} ways; set relay.shards = {in_db}, or change the database with `outbox-relay reshard {shards}`"
+                    "configuration key `database.pool_size`: is {pool}, but the outbox has {in_db} shards; a replica holding all of them needs {} connections (a claimer each, the marker, the coordinator and the gauges)",
+                    in_db + 3
                 )));
             }
             Ok(())

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use outbox_relay::store::outbox::{next_key_cursor, ClaimScope};
+use outbox_relay::store::outbox::{next_key_cursor, no_key_cursor, ClaimScope, KeyCursor};
 use outbox_relay::store::{Fence, Session, ShardId, Store};
 use outbox_relay::testkit::TestDb;
 use tokio_postgres::Client;
@@ -16,7 +16,7 @@ use tokio_postgres::Client;
 struct Claim {
     client: Client,
     session: Session,
-    cursor: String,
+    cursor: KeyCursor,
     /// Shard 0, taken for the test.
     fence: Fence,
 }
@@ -53,47 +53,66 @@ fn keys(got: &[(String, i64)]) -> Vec<&str> {
 async fn the_key_walk_resumes_after_its_cursor_and_wraps_around() {
     let db = TestDb::new().await.unwrap();
     let client = db.client().await.unwrap();
-    // One shard, keys k0..k9 with three events each (ids in key-major order
-    // would make age order and key order agree; interleave them instead).
+    // Keys k0..k9 with three events each (ids in key-major order would make
+    // age order and walk order agree; interleave them instead).
     client
         .batch_execute(
-            "UPDATE outbox_relay_settings SET shards = 1;
-             INSERT INTO outbox (tenant_id, aggregate_type, aggregate_id, event_type, payload, idempotency_key, partition_key)
+            "INSERT INTO outbox (tenant_id, aggregate_type, aggregate_id, event_type, payload, idempotency_key, partition_key)
              SELECT gen_random_uuid(), 'order', 'a' || g, 'order.placed', '{}', 'e' || g, 'k' || (9 - g % 10)
              FROM generate_series(0, 29) g;",
         )
         .await
         .unwrap();
+    // One shard over every bucket.
     let store = Store::open(&db.url, 2, Duration::from_secs(5)).unwrap();
+    store.reshard(1).await.unwrap();
     let fence = store
         .seize_shard(ShardId::new(0), "test", Duration::from_secs(600))
         .await
         .unwrap();
+    // The walk's order: by bucket, then key.
+    let walk: Vec<String> = client
+        .query(
+            "SELECT partition_key FROM outbox GROUP BY bucket, partition_key ORDER BY bucket, partition_key",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(walk.len(), 10);
+    let w = |range: std::ops::Range<usize>| -> Vec<&str> {
+        let mut keys: Vec<&str> = walk[range].iter().map(String::as_str).collect();
+        keys.sort();
+        keys
+    };
     let mut claim = Claim {
         client,
         session: store.session(),
-        cursor: String::new(),
+        cursor: no_key_cursor(),
         fence,
     };
     let head = |key: &str, got: &[(String, i64)]| -> i64 {
         got.iter().find(|(k, _)| k == key).expect("claimed").1
     };
 
-    // Key order from the start, not age order (k9 holds the oldest row).
+    // Walk order from the start, not age order (k9 holds the oldest row).
     let first = claim.take(3).await;
-    assert_eq!(keys(&first), ["k0", "k1", "k2"]);
-    assert_eq!(claim.cursor, "k2");
+    assert_eq!(keys(&first), w(0..3));
+    assert_eq!(claim.cursor.1, walk[2]);
     let second = claim.take(3).await;
-    assert_eq!(keys(&second), ["k3", "k4", "k5"]);
-    assert_eq!(claim.cursor, "k5");
+    assert_eq!(keys(&second), w(3..6));
+    assert_eq!(claim.cursor.1, walk[5]);
 
-    // k0's head is delivered, k1's waits for a retry: k0's next row is now
-    // its head and claimable; k1 has nothing (its later rows stay back).
+    // walk[0]'s head is delivered, walk[1]'s waits for a retry: walk[0]'s next
+    // row is now its head and claimable; walk[1] has nothing (its later rows
+    // stay back).
     claim
         .client
         .execute(
             "UPDATE outbox SET published_at = now(), locked_until = NULL WHERE id = $1",
-            &[&head("k0", &first)],
+            &[&head(&walk[0], &first)],
         )
         .await
         .unwrap();
@@ -101,33 +120,43 @@ async fn the_key_walk_resumes_after_its_cursor_and_wraps_around() {
         .client
         .execute(
             "UPDATE outbox SET available_at = now() + interval '1 hour', locked_until = NULL WHERE id = $1",
-            &[&head("k1", &first)],
+            &[&head(&walk[1], &first)],
         )
         .await
         .unwrap();
 
-    // The walk goes on after k5 to the end, then wraps to k0 (k1 waits, k2..k5
-    // are in flight): the keys before the cursor are not forgotten.
+    // The walk goes on after walk[5] to the end, then wraps to walk[0]
+    // (walk[1] waits, walk[2..6] are in flight): the keys before the cursor
+    // are not forgotten.
     let third = claim.take(10).await;
-    assert_eq!(keys(&third), ["k0", "k6", "k7", "k8", "k9"]);
-    assert!(head("k0", &third) > head("k0", &first), "k0's next event");
-    assert_eq!(claim.cursor, "k0", "the last key in walk order (wrapped)");
+    let mut expected = w(6..10);
+    expected.push(&walk[0]);
+    expected.sort();
+    assert_eq!(keys(&third), expected);
+    assert!(
+        head(&walk[0], &third) > head(&walk[0], &first),
+        "walk[0]'s next event"
+    );
+    assert_eq!(
+        claim.cursor.1, walk[0],
+        "the last key in walk order (wrapped)"
+    );
 
     // Every head is in flight or waiting: nothing, whatever the cursor.
     assert!(claim.take(10).await.is_empty());
-    assert_eq!(claim.cursor, "k0", "an empty claim leaves the cursor");
+    assert_eq!(claim.cursor.1, walk[0], "an empty claim leaves the cursor");
 
-    // The retry comes due: taken on the next lap, one row for k1 only.
+    // The retry comes due: taken on the next lap, one row for walk[1] only.
     claim
         .client
         .execute(
             "UPDATE outbox SET available_at = now() WHERE id = $1",
-            &[&head("k1", &first)],
+            &[&head(&walk[1], &first)],
         )
         .await
         .unwrap();
     let fourth = claim.take(10).await;
-    assert_eq!(fourth, [("k1".to_owned(), head("k1", &first))]);
+    assert_eq!(fourth, [(walk[1].clone(), head(&walk[1], &first))]);
 
     // Never two rows of one key leased at once.
     let doubled: i64 = claim
@@ -146,10 +175,20 @@ async fn the_key_walk_resumes_after_its_cursor_and_wraps_around() {
 
 #[test]
 fn the_cursor_is_the_last_key_in_walk_order() {
-    assert_eq!(next_key_cursor("", ["b", "a", "c"]), Some("c".into()));
+    let key = |b: i16, k: &str| Some((b, k.to_owned()));
+    assert_eq!(
+        next_key_cursor((0, ""), [(1, "b"), (1, "a"), (1, "c")]),
+        key(1, "c")
+    );
     // Keys after the cursor were walked first, the wrapped ones last.
-    assert_eq!(next_key_cursor("m", ["x", "b", "z", "a"]), Some("b".into()));
-    assert_eq!(next_key_cursor("m", ["m"]), Some("m".into()));
-    assert_eq!(next_key_cursor("m", ["n", "y"]), Some("y".into()));
-    assert_eq!(next_key_cursor("m", std::iter::empty::<&str>()), None);
+    assert_eq!(
+        next_key_cursor((1, "m"), [(1, "x"), (1, "b"), (1, "z"), (1, "a")]),
+        key(1, "b")
+    );
+    assert_eq!(next_key_cursor((1, "m"), [(1, "m")]), key(1, "m"));
+    assert_eq!(next_key_cursor((1, "m"), [(1, "n"), (1, "y")]), key(1, "y"));
+    // The bucket comes first: a later bucket is later whatever its key.
+    assert_eq!(next_key_cursor((1, "m"), [(2, "a"), (1, "z")]), key(2, "a"));
+    assert_eq!(next_key_cursor((3, "m"), [(2, "z"), (1, "a")]), key(2, "z"));
+    assert_eq!(next_key_cursor((1, "m"), std::iter::empty()), None);
 }

@@ -642,35 +642,55 @@ async fn the_shard_count_is_the_databases_and_reshard_changes_it() {
     let sink = TestSink::start(TOKEN).await;
     insert_events(&db, 300, 50).await;
     let mut cfg = config(&db, &sink.url(), QSTASH_ROUTE);
-    cfg.relay.shards = 3;
+    cfg.relay.shards = Some(3);
     let err = Relay::start(cfg.clone())
         .await
         .err()
         .expect("a mismatch is refused");
     let text = err.to_string();
     assert!(
-        text.contains("relay.shards") && text.contains("sharded 8 ways"),
+        text.contains("relay.shards") && text.contains("split into 8 shards"),
         "{text}"
     );
     let client = db.client().await.unwrap();
-    let rewritten = outbox_relay::store::Store::for_command(&db.url)
+    let rows_before: Vec<(i64, i16, String)> = client
+        .query("SELECT id, bucket, xmin::text FROM outbox ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    let before = outbox_relay::store::Store::for_command(&db.url)
         .unwrap()
         .reshard(3)
         .await
         .unwrap();
-    assert_eq!(rewritten, 300);
-    let spread: Vec<i16> = client
-        .query("SELECT DISTINCT shard FROM outbox ORDER BY 1", &[])
+    assert_eq!(before, 8);
+    // No row was rewritten (same version of every row), and the three
+    // shards' ranges cover the buckets without gap or overlap.
+    let rows_after: Vec<(i64, i16, String)> = client
+        .query("SELECT id, bucket, xmin::text FROM outbox ORDER BY id", &[])
         .await
         .unwrap()
         .iter()
-        .map(|r| r.get(0))
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
         .collect();
-    assert_eq!(spread, vec![0, 1, 2]);
-    // New rows are hashed with the new count too.
+    assert_eq!(rows_after, rows_before);
+    let ranges: Vec<(i16, i16, i16)> = client
+        .query(
+            "SELECT shard, bucket_lo, bucket_hi FROM outbox_relay_shard_leases ORDER BY shard",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    assert_eq!(ranges, vec![(0, 0, 1365), (1, 1365, 2730), (2, 2730, 4096)]);
     insert_events_from(&db, 300, 100).await;
     let relay = Relay::start(cfg).await.unwrap();
     assert!(wait_until(DRAIN_LIMIT, || async { pending(&db).await == 0 }).await);
+    assert_eq!(relay.shards_owned().len(), 3);
     assert_eq!(relay.shutdown().await.counters.published, 400);
 }
 
@@ -682,8 +702,13 @@ async fn insert_events_from(db: &TestDb, start: usize, n: usize) {
         .collect();
     outbox_client::enqueue_many(&tx, &events).await.unwrap();
     tx.commit().await.unwrap();
+    // New rows land in their fixed bucket whatever the shard count.
     assert_eq!(
-        count(db, "SELECT count(*) FROM outbox WHERE shard >= 3").await,
+        count(
+            db,
+            "SELECT count(*) FROM outbox WHERE bucket <> (hashtext(partition_key) & 2147483647) % 4096"
+        )
+        .await,
         0
     );
 }

@@ -140,19 +140,19 @@ async fn assert_current_schema(db: &TestDb) {
     assert_eq!(versions, all);
     let not_null: bool = client
         .query_one(
-            "SELECT attnotnull FROM pg_attribute WHERE attrelid = 'outbox'::regclass AND attname = 'shard'",
+            "SELECT attnotnull FROM pg_attribute WHERE attrelid = 'outbox'::regclass AND attname = 'bucket'",
             &[],
         )
         .await
         .unwrap()
         .get(0);
-    assert!(not_null, "outbox.shard must be NOT NULL");
-    let unsharded: i64 = client
-        .query_one("SELECT count(*) FROM outbox WHERE shard IS NULL", &[])
+    assert!(not_null, "outbox.bucket must be NOT NULL");
+    let unbucketed: i64 = client
+        .query_one("SELECT count(*) FROM outbox WHERE bucket IS NULL", &[])
         .await
         .unwrap()
         .get(0);
-    assert_eq!(unsharded, 0);
+    assert_eq!(unbucketed, 0);
     // Every index valid, and the ones the relay reads exist with their definition.
     let invalid: Vec<String> = client
         .query(
@@ -167,8 +167,8 @@ async fn assert_current_schema(db: &TestDb) {
         .collect();
     assert!(invalid.is_empty(), "invalid indexes: {invalid:?}");
     for (name, columns) in [
-        ("outbox_shard_ready_idx", "(shard, available_at, id)"),
-        ("outbox_shard_key_idx", "(shard, partition_key, id)"),
+        ("outbox_bucket_ready_idx", "(bucket, available_at, id)"),
+        ("outbox_bucket_key_idx", "(bucket, partition_key, id)"),
         ("outbox_published_at_idx", "(published_at)"),
     ] {
         let def: String = client
@@ -181,17 +181,26 @@ async fn assert_current_schema(db: &TestDb) {
             .get(0);
         assert!(def.contains(columns), "{name}: {def}");
     }
-    // The shard is the one the relay computes from the partition key.
+    // The bucket is the one the relay computes from the partition key, and
+    // the shard column (the shard is the lease's range now) is gone.
     let wrong: i64 = client
         .query_one(
-            "SELECT count(*) FROM outbox, outbox_relay_settings s
-             WHERE shard <> (hashtext(partition_key) & 2147483647) % s.shards",
+            "SELECT count(*) FROM outbox WHERE bucket <> (hashtext(partition_key) & 2147483647) % 4096",
             &[],
         )
         .await
         .unwrap()
         .get(0);
-    assert_eq!(wrong, 0, "rows in the wrong shard");
+    assert_eq!(wrong, 0, "rows in the wrong bucket");
+    let shard_column: i64 = client
+        .query_one(
+            "SELECT count(*) FROM information_schema.columns WHERE table_name = 'outbox' AND column_name = 'shard'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(shard_column, 0);
 }
 
 /// Upgrading a populated outbox from schema 0003 while producers insert: no
@@ -547,7 +556,8 @@ async fn the_migrate_app_and_relay_roles_do_their_jobs_and_nothing_more() {
                 "{denied}: {e}"
             );
         }
-        // Resharding is the migrate role's (it recompiles the shard trigger).
+        // Resharding is the migrate role's (it writes the settings and the
+        // lease layout; the relay role only reads the settings).
         outbox_relay::store::Store::for_command(&roles.url(&db, 0))?
             .reshard(4)
             .await?;
@@ -556,7 +566,7 @@ async fn the_migrate_app_and_relay_roles_do_their_jobs_and_nothing_more() {
         tx.commit().await?;
         let wrong: i64 = common::count(
             &db,
-            "SELECT count(*) FROM outbox WHERE shard <> (hashtext(partition_key) & 2147483647) % 4",
+            "SELECT count(*) FROM outbox WHERE bucket <> (hashtext(partition_key) & 2147483647) % 4096",
         )
         .await;
         assert_eq!(wrong, 0);

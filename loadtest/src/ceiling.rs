@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use outbox_relay::store::outbox::{no_cursor, ClaimScope, Held, Write};
+use outbox_relay::store::outbox::{no_cursor, ClaimScope, Claimed, Held, Write};
 use outbox_relay::store::{ShardId, Store, StoreError};
 use serde::Serialize;
 
@@ -51,7 +51,7 @@ pub async fn run(database_url: &str, claim_batch: i64) -> Result<Ceiling, StoreE
                 }
                 cursor = claimed
                     .iter()
-                    .map(|c| (c.available_at, c.row.id))
+                    .map(Claimed::cursor)
                     .max()
                     .expect("not empty");
                 let marks: Vec<(Held, Write)> = claimed

@@ -44,13 +44,13 @@ CREATE TABLE outbox (
     dead_lettered_at timestamptz,
     last_error       text,
     partition_key    text         NOT NULL,
-    shard            smallint     NOT NULL,
+    bucket           smallint     NOT NULL,
     PRIMARY KEY (id, created_at)
 ) PARTITION BY RANGE (created_at);
 
--- The indexes of 0001, 0003 and 0004; each partition gets its own copy.
-CREATE INDEX outbox_shard_ready_idx
-    ON outbox (shard, available_at, id)
+-- The indexes of 0001, 0003 and 0007; each partition gets its own copy.
+CREATE INDEX outbox_bucket_ready_idx
+    ON outbox (bucket, available_at, id)
     WHERE published_at IS NULL AND dead_lettered_at IS NULL;
 CREATE INDEX outbox_ready_idx
     ON outbox (available_at, id)
@@ -58,8 +58,8 @@ CREATE INDEX outbox_ready_idx
 CREATE INDEX outbox_pending_age_idx
     ON outbox (created_at)
     WHERE published_at IS NULL AND dead_lettered_at IS NULL;
-CREATE INDEX outbox_shard_key_idx
-    ON outbox (shard, partition_key, id)
+CREATE INDEX outbox_bucket_key_idx
+    ON outbox (bucket, partition_key, id)
     WHERE published_at IS NULL AND dead_lettered_at IS NULL;
 CREATE INDEX outbox_dead_idx
     ON outbox (dead_lettered_at)
@@ -108,7 +108,7 @@ END
 $$;
 
 -- Row triggers on a partitioned table are cloned onto every partition.
--- outbox_fill_defaults() (0006: partition key and shard) comes from the
+-- outbox_fill_defaults() (0007: partition key and bucket) comes from the
 -- migrations. No NOTIFY trigger: it would serialise producer commits (0006).
 CREATE TRIGGER outbox_fill_defaults
     BEFORE INSERT ON outbox

@@ -26,7 +26,9 @@ use crate::metrics as m;
 use crate::routes::Router;
 use crate::sink::breaker::Breakers;
 use crate::sink::DeadReason;
-use crate::store::outbox::{no_cursor, ClaimScope, Claimed, Cursor, Held};
+use crate::store::outbox::{
+    no_cursor, no_key_cursor, ClaimScope, Claimed, Cursor, Held, KeyCursor,
+};
 use crate::store::{Fence, Session, ShardId, Store, StoreError};
 use outbox_client::row::OutboxRow;
 
@@ -88,7 +90,7 @@ pub struct ClaimerState {
     cursor: Cursor,
     /// Ordered claims: the last key the previous key-head claim took; the
     /// next one walks the shard's keys from after it (round-robin).
-    key_cursor: String,
+    key_cursor: KeyCursor,
     /// An ordered route takes every type (`*`): there is no plain claim to run.
     all_ordered: bool,
     /// Which kind of claim gets an odd limit's extra row this time.
@@ -114,7 +116,7 @@ impl Actor for Claimer {
             session: args.cx.store.session(),
             cx: args.cx,
             cursor: no_cursor(),
-            key_cursor: String::new(),
+            key_cursor: no_key_cursor(),
             all_ordered,
             heads_first: false,
             claim_queued: true,
@@ -260,7 +262,7 @@ async fn claim(state: &mut ClaimerState, limit: i64) -> Result<Vec<Claimed>, Sto
         // The plain claim's cursor follows its own rows only (key heads are
         // anywhere in the shard): full, the next claim goes on after them;
         // short, it starts again from the beginning.
-        state.cursor = match plain_rows.iter().map(|c| (c.available_at, c.row.id)).max() {
+        state.cursor = match plain_rows.iter().map(Claimed::cursor).max() {
             Some(last) if plain_rows.len() as i64 == rest => last,
             _ => no_cursor(),
         };

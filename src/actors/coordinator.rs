@@ -45,8 +45,8 @@ pub struct CoordinatorArgs {
     pub me: Replica,
     /// `relay.shard_lease`.
     pub shard_lease: Duration,
-    /// Shards the outbox is split into.
-    pub shards: u32,
+    /// The most shards this replica takes: each claimer keeps a connection.
+    pub max_shards: usize,
     pub ownership: Arc<Ownership>,
     pub claimers: Claimers,
     pub winddown: Winddown,
@@ -162,9 +162,19 @@ async fn round(
         }
     }
 
-    // 2. Our fair share among the live replicas.
+    // 2. Our fair share among the live replicas, of the shards there are now
+    //    (`reshard` may have changed them while we ran).
     let live = state.session.live_replicas().await?;
-    let share = fair_share(state.args.shards as usize, &live, &state.args.me.id);
+    let shards = state.session.layout().await? as usize;
+    let mut share = fair_share(shards, &live, &state.args.me.id);
+    if share > state.args.max_shards {
+        tracing::warn!(
+            share,
+            max = state.args.max_shards,
+            "this replica's share of the shards needs more connections than database.pool_size leaves for claimers; it takes fewer (raise database.pool_size or run more replicas)"
+        );
+        share = state.args.max_shards;
+    }
     let held_now: Vec<ShardId> = state
         .args
         .ownership

@@ -20,7 +20,10 @@ use outbox_client::row::OutboxRow;
 /// CTE (`$2` ms) and return them, if the shard (`$3`) is still held under the
 /// fencing token `$token` and its lease has not ended. A replica that lost the
 /// shard claims nothing: the database checks, in the statement itself (the
-/// `fence` InitPlan runs first, so a fenced claim scans nothing). Literals only:
+/// `fence` InitPlan runs first, so a fenced claim scans nothing). The fence
+/// also names the shard's range of buckets, `[bucket_lo, bucket_hi)`: the
+/// lease row, not the relay, says which rows a shard holds, so a relay that
+/// has not yet seen a reshard cannot claim outside its shard. Literals only:
 /// the SQL stays constant.
 ///
 /// The claim commits without waiting for its WAL flush (`synchronous_commit`
@@ -36,7 +39,7 @@ macro_rules! claim_statement {
     ($token:literal, $claimable:literal) => {
         concat!(
             "WITH RECURSIVE fence AS (
-    SELECT set_config('synchronous_commit', 'off', true)
+    SELECT set_config('synchronous_commit', 'off', true), bucket_lo, bucket_hi
     FROM outbox_relay_shard_leases
     WHERE shard = $3 AND token = ",
             $token,
@@ -52,30 +55,31 @@ WHERE o.id = claimable.id
   AND EXISTS (SELECT FROM fence)
 RETURNING o.id, o.tenant_id, o.aggregate_type, o.aggregate_id, o.event_type,
           o.payload::text, o.headers::text, o.idempotency_key, o.partition_key,
-          o.created_at, o.attempt_count, o.available_at"
+          o.created_at, o.attempt_count, o.available_at, o.bucket"
         )
     };
 }
 
 /// Claims up to `$1` ready rows of shard `$3` for `$2` ms, after the cursor
-/// `($4, $5)`, leaving out the types an ordered route takes (`$6`, LIKE
-/// patterns; none when no route is ordered). The scan walks
-/// `outbox_shard_ready_idx` in its order (a claim whose order does not match
-/// its index sorts the whole backlog). The cursor lets a claimer in a burst
-/// start after the rows it already has in flight instead of walking past
-/// their leases on every claim. `$7`: the shard's fencing token.
+/// `($4, $5, $6)` (bucket, available_at, id), leaving out the types an ordered
+/// route takes (`$7`, LIKE patterns; none when no route is ordered). The scan
+/// walks `outbox_bucket_ready_idx` in its order, from the cursor to the end of
+/// the shard's range: bucket after bucket, each in ready order (a claim whose
+/// order does not match its index sorts the whole backlog). The cursor lets a
+/// claimer in a burst start after the rows it already has in flight instead
+/// of walking past their leases on every claim. `$8`: the shard's token.
 const CLAIM: Sql = Sql {
     text: claim_statement!(
-        "$7",
+        "$8",
         "claimable AS (
     SELECT id FROM outbox
-    WHERE shard = $3
+    WHERE bucket >= (SELECT bucket_lo FROM fence) AND bucket < (SELECT bucket_hi FROM fence)
       AND published_at IS NULL AND dead_lettered_at IS NULL
       AND available_at <= now()
-      AND (available_at, id) > ($4, $5)
+      AND (bucket, available_at, id) > ($4, $5, $6)
       AND (locked_until IS NULL OR locked_until < now())
-      AND NOT (event_type LIKE ANY ($6))
-    ORDER BY shard, available_at, id
+      AND NOT (event_type LIKE ANY ($7))
+    ORDER BY bucket, available_at, id
     LIMIT $1
     FOR UPDATE SKIP LOCKED
 )
@@ -84,6 +88,7 @@ const CLAIM: Sql = Sql {
     types: &[
         Type::INT8,
         Type::INT8,
+        Type::INT2,
         Type::INT2,
         Type::TIMESTAMPTZ,
         Type::INT8,
@@ -99,15 +104,16 @@ const CLAIM: Sql = Sql {
 /// and a failing event holds its key back.
 ///
 /// The heads are found by skipping from key to key through
-/// `outbox_shard_key_idx` (a loose index scan), starting after the key cursor
-/// `$5` (the last key the previous claim took) and wrapping around to the
-/// first key once the walk passes the last one. The walk is lazy: it stops as
-/// soon as `$1` claimable heads are found, so a claim visits about as many
-/// keys as it returns instead of every key of the shard. Fairness is
+/// `outbox_bucket_key_idx` (a loose index scan over `(bucket, partition_key)`
+/// within the shard's range), starting after the key cursor `($5, $6)` (the
+/// bucket and key the previous claim took last) and wrapping around to the
+/// range's first key once the walk passes its last one. The walk is lazy: it
+/// stops as soon as `$1` claimable heads are found, so a claim visits about as
+/// many keys as it returns instead of every key of the shard. Fairness is
 /// therefore key round-robin (each key in turn, from the cursor on), not age
 /// order: a due head waits at most one lap of the shard's keys. The two walks
-/// (after the cursor, then up to it) cover every key whatever `$5` is, so a
-/// stale or misplaced cursor costs fairness, never a key.
+/// (after the cursor, then up to it) cover every key whatever the cursor is,
+/// so a stale or misplaced cursor costs fairness, never a key.
 ///
 /// Each head is checked and locked through the primary key, one at a time (a
 /// LATERAL subquery with its own `FOR UPDATE SKIP LOCKED`, which the planner
@@ -117,37 +123,41 @@ const CLAIM: Sql = Sql {
 /// hashed the whole pending set through `outbox_ready_idx` on every claim:
 /// 1.1 s per claim with 1,000,000 rows pending, ~520 events/s for the first
 /// minute of a drain (until autoanalyze), for the whole drain without it.
-/// `$6`: the shard's fencing token.
+/// `$7`: the shard's fencing token.
 pub(super) const CLAIM_HEADS: Sql = Sql {
     text: claim_statement!(
-        "$6",
-        "after_cursor (partition_key, id) AS (
-    (SELECT partition_key, id FROM outbox
-     WHERE shard = $3 AND published_at IS NULL AND dead_lettered_at IS NULL
-       AND partition_key > $5
-     ORDER BY partition_key, id
+        "$7",
+        "after_cursor (bucket, partition_key, id) AS (
+    (SELECT bucket, partition_key, id FROM outbox
+     WHERE bucket >= (SELECT bucket_lo FROM fence) AND bucket < (SELECT bucket_hi FROM fence)
+       AND published_at IS NULL AND dead_lettered_at IS NULL
+       AND (bucket, partition_key) > ($5, $6)
+     ORDER BY bucket, partition_key, id
      LIMIT 1)
     UNION ALL
-    SELECT next.partition_key, next.id
+    SELECT next.bucket, next.partition_key, next.id
     FROM after_cursor AS prev, LATERAL (
-        SELECT partition_key, id FROM outbox
-        WHERE shard = $3 AND published_at IS NULL AND dead_lettered_at IS NULL
-          AND partition_key > prev.partition_key
-        ORDER BY partition_key, id
+        SELECT bucket, partition_key, id FROM outbox
+        WHERE bucket < (SELECT bucket_hi FROM fence)
+          AND published_at IS NULL AND dead_lettered_at IS NULL
+          AND (bucket, partition_key) > (prev.bucket, prev.partition_key)
+        ORDER BY bucket, partition_key, id
         LIMIT 1) AS next
-), up_to_cursor (partition_key, id) AS (
-    (SELECT partition_key, id FROM outbox
-     WHERE shard = $3 AND published_at IS NULL AND dead_lettered_at IS NULL
-       AND partition_key <= $5
-     ORDER BY partition_key, id
+), up_to_cursor (bucket, partition_key, id) AS (
+    (SELECT bucket, partition_key, id FROM outbox
+     WHERE bucket >= (SELECT bucket_lo FROM fence) AND bucket < (SELECT bucket_hi FROM fence)
+       AND published_at IS NULL AND dead_lettered_at IS NULL
+       AND (bucket, partition_key) <= ($5, $6)
+     ORDER BY bucket, partition_key, id
      LIMIT 1)
     UNION ALL
-    SELECT next.partition_key, next.id
+    SELECT next.bucket, next.partition_key, next.id
     FROM up_to_cursor AS prev, LATERAL (
-        SELECT partition_key, id FROM outbox
-        WHERE shard = $3 AND published_at IS NULL AND dead_lettered_at IS NULL
-          AND partition_key > prev.partition_key AND partition_key <= $5
-        ORDER BY partition_key, id
+        SELECT bucket, partition_key, id FROM outbox
+        WHERE published_at IS NULL AND dead_lettered_at IS NULL
+          AND (bucket, partition_key) > (prev.bucket, prev.partition_key)
+          AND (bucket, partition_key) <= ($5, $6)
+        ORDER BY bucket, partition_key, id
         LIMIT 1) AS next
 ), heads (id) AS (
     SELECT id FROM after_cursor
@@ -171,6 +181,7 @@ pub(super) const CLAIM_HEADS: Sql = Sql {
         Type::INT8,
         Type::INT2,
         Type::TEXT_ARRAY,
+        Type::INT2,
         Type::TEXT,
         Type::INT8,
     ],
@@ -178,8 +189,9 @@ pub(super) const CLAIM_HEADS: Sql = Sql {
 
 /// One statement for every kind of outcome; rows whose lease moved on
 /// (`attempt_count` differs), whose shard is no longer held under the token
-/// they were claimed with (or whose shard lease ended), or that are already
-/// final are left alone.
+/// they were claimed with (its lease ended, it was taken, or a reshard
+/// replaced it: the row's bucket must lie in that tenure's range), or that
+/// are already final are left alone.
 /// "Not final" is written `coalesce(…) IS NULL` on purpose: spelled as two
 /// `IS NULL` tests it matches the partial indexes' predicate, and with stale
 /// statistics (right after a bulk load) the generic plan walked the whole
@@ -200,7 +212,8 @@ FROM unnest($1::bigint[], $2::int4[], $3::int2[], $4::int8[], $5::text[], $6::in
      outbox_relay_shard_leases AS l
 WHERE o.id = u.id
   AND o.attempt_count = u.attempt
-  AND l.shard = o.shard AND l.token = u.token AND l.lease_until > now()
+  AND l.token = u.token AND l.lease_until > now()
+  AND o.bucket >= l.bucket_lo AND o.bucket < l.bucket_hi
   AND coalesce(o.published_at, o.dead_lettered_at) IS NULL
 RETURNING o.id",
     types: &[
@@ -241,8 +254,12 @@ const REPORTED_DEAD: &str = "WITH target AS (
 SELECT t.idempotency_key, t.published_at IS NOT NULL, EXISTS (SELECT 1 FROM marked)
 FROM target t";
 
-/// `(available_at, id)`: where a plain claim goes on from.
-pub type Cursor = (DateTime<Utc>, i64);
+/// Buckets rows are hashed into (`migrations/0007_buckets.sql`); a shard is
+/// a range of them.
+pub const BUCKETS: u32 = 4096;
+
+/// `(bucket, available_at, id)`: where a plain claim goes on from.
+pub type Cursor = (i16, DateTime<Utc>, i64);
 
 /// Where a claim starts when there is no cursor: the beginning of the shard.
 pub fn no_cursor() -> Cursor {
@@ -251,14 +268,30 @@ pub fn no_cursor() -> Cursor {
         .and_then(|d| d.and_hms_opt(0, 0, 0))
         .expect("a valid date")
         .and_utc();
-    (start, i64::MIN)
+    (i16::MIN, start, i64::MIN)
 }
 
-/// A claimed row and when it was due.
+/// Where the key walk of an ordered claim resumes: `(bucket, partition_key)`.
+pub type KeyCursor = (i16, String);
+
+/// The key walk from the start of the shard.
+pub fn no_key_cursor() -> KeyCursor {
+    (i16::MIN, String::new())
+}
+
+/// A claimed row, when it was due, and its bucket.
 #[derive(Debug, Clone)]
 pub struct Claimed {
     pub row: OutboxRow,
     pub available_at: DateTime<Utc>,
+    pub bucket: i16,
+}
+
+impl Claimed {
+    /// The plain claim's cursor just after this row.
+    pub fn cursor(&self) -> Cursor {
+        (self.bucket, self.available_at, self.row.id)
+    }
 }
 
 /// What a claim asks for, besides its limit and where it starts.
@@ -357,7 +390,7 @@ impl Session {
     ) -> Result<Vec<Claimed>, StoreError> {
         let lease_ms = scope.lease.as_millis() as i64;
         let shard = scope.fence.shard.sql();
-        let (after_available, after_id) = after;
+        let (after_bucket, after_available, after_id) = after;
         let (conn, statement) = self.prepared(&CLAIM).await?;
         let rows = conn
             .query(
@@ -366,6 +399,7 @@ impl Session {
                     &limit,
                     &lease_ms,
                     &shard,
+                    &after_bucket,
                     &after_available,
                     &after_id,
                     &scope.ordered,
@@ -382,7 +416,7 @@ impl Session {
     pub async fn claim_heads(
         &mut self,
         scope: &ClaimScope<'_>,
-        key_cursor: &mut String,
+        key_cursor: &mut KeyCursor,
         limit: i64,
     ) -> Result<Vec<Claimed>, StoreError> {
         let lease_ms = scope.lease.as_millis() as i64;
@@ -396,16 +430,17 @@ impl Session {
                     &lease_ms,
                     &shard,
                     &scope.ordered,
-                    &*key_cursor,
+                    &key_cursor.0,
+                    &key_cursor.1,
                     &scope.fence.token,
                 ],
             )
             .await?;
         let rows: Vec<Claimed> = rows.iter().map(claimed).collect();
-        if let Some(next) = next_key_cursor(
-            key_cursor,
-            rows.iter().map(|c| c.row.partition_key.as_str()),
-        ) {
+        let walked = rows
+            .iter()
+            .map(|c| (c.bucket, c.row.partition_key.as_str()));
+        if let Some(next) = next_key_cursor((key_cursor.0, &key_cursor.1), walked) {
             *key_cursor = next;
         }
         Ok(rows)
@@ -535,17 +570,18 @@ impl Store {
 }
 
 /// Where the key walk of [`CLAIM_HEADS`] resumes after a claim that took
-/// `claimed` keys, starting after `cursor`: the last of them in walk order
-/// (keys after the cursor come first, then the wrapped ones up to it). `None`
-/// when nothing was claimed (the cursor stays). Keys compare bytewise here;
-/// under a database collation that orders differently the resume point may
-/// be off by some keys, which costs fairness only (see `CLAIM_HEADS`).
+/// `claimed` keys (with their buckets), starting after `cursor`: the last of
+/// them in walk order (keys after the cursor come first, then the wrapped
+/// ones up to it). `None` when nothing was claimed (the cursor stays). Keys
+/// compare bytewise here; under a database collation that orders differently
+/// the resume point may be off by some keys, which costs fairness only (see
+/// `CLAIM_HEADS`).
 pub fn next_key_cursor<'a>(
-    cursor: &str,
-    claimed: impl IntoIterator<Item = &'a str>,
-) -> Option<String> {
-    let mut after: Option<&str> = None;
-    let mut wrapped: Option<&str> = None;
+    cursor: (i16, &str),
+    claimed: impl IntoIterator<Item = (i16, &'a str)>,
+) -> Option<KeyCursor> {
+    let mut after: Option<(i16, &str)> = None;
+    let mut wrapped: Option<(i16, &str)> = None;
     for key in claimed {
         let slot = if key > cursor {
             &mut after
@@ -556,7 +592,9 @@ pub fn next_key_cursor<'a>(
             *slot = Some(key);
         }
     }
-    wrapped.or(after).map(str::to_owned)
+    wrapped
+        .or(after)
+        .map(|(bucket, key)| (bucket, key.to_owned()))
 }
 
 fn claimed(r: &tokio_postgres::Row) -> Claimed {
@@ -575,5 +613,6 @@ fn claimed(r: &tokio_postgres::Row) -> Claimed {
             attempt: r.get(10),
         },
         available_at: r.get(11),
+        bucket: r.get(12),
     }
 }

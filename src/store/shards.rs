@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use tokio_postgres::GenericClient;
 
+use super::outbox::BUCKETS;
 use super::{migrate, Fence, Session, ShardId, Store, StoreError};
 
 /// Announces this replica; `alive_until` is what the others count it by.
@@ -79,20 +80,18 @@ RETURNING token";
 /// The number of shards the database hashes rows into.
 const SHARD_COUNT: &str = "SELECT shards FROM outbox_relay_settings";
 
-/// Rows are re-sharded in one transaction that holds off writers; run it with
-/// the relays stopped (they refuse to start on a count that differs).
-const RESHARD_ROWS: &str = "UPDATE outbox SET shard = (hashtext(partition_key) & 2147483647) % $1";
+/// A new layout of shards: one lease row each, over an even split of the
+/// buckets. Every tenure of the old layout ends with it (its token is gone).
+const CLEAR_LEASES: &str = "DELETE FROM outbox_relay_shard_leases";
+const RESHARD_LEASES: &str = "INSERT INTO outbox_relay_shard_leases (shard, bucket_lo, bucket_hi)
+SELECT k, (k * $2::int / $1::int)::smallint, ((k + 1) * $2::int / $1::int)::smallint
+FROM generate_series(0, $1::int - 1) AS k";
 
-/// Replicas holding a live shard lease (they must be stopped first).
-const LIVE_OWNERS: &str = "SELECT DISTINCT owner FROM outbox_relay_shard_leases
-WHERE owner IS NOT NULL AND lease_until > now() ORDER BY owner";
+/// The shard count, locked against a concurrent reshard.
+const LOCK_SHARD_COUNT: &str = "SELECT shards FROM outbox_relay_settings FOR UPDATE";
 
-/// One lease row per shard: drop those past the new count, add the missing.
-const RESHARD_LEASES: &str = "WITH gone AS (
-    DELETE FROM outbox_relay_shard_leases WHERE shard >= $1::int
-)
-INSERT INTO outbox_relay_shard_leases (shard)
-SELECT generate_series(0, $1::int - 1) ON CONFLICT (shard) DO NOTHING";
+/// Shards the live layout has, for the coordinators' fair share.
+const LAYOUT: &str = "SELECT count(*)::int4 FROM outbox_relay_shard_leases";
 
 const SET_SHARD_COUNT: &str = "UPDATE outbox_relay_settings SET shards = $1";
 
@@ -194,6 +193,13 @@ impl Session {
         Ok(live)
     }
 
+    /// How many shards the outbox is split into now (a reshard changes it
+    /// while relays run).
+    pub async fn layout(&mut self) -> Result<u32, StoreError> {
+        let n: i32 = self.conn().await?.query_one(LAYOUT, &[]).await?.get(0);
+        Ok(n as u32)
+    }
+
     /// Takes up to `want` free shards (not those in `exclude`) for `lease`.
     pub async fn acquire(
         &mut self,
@@ -289,39 +295,29 @@ impl Store {
         Ok(())
     }
 
-    /// Sets the shard count to `n` (1–1024) and re-hashes every row. Returns
-    /// the number of rows rewritten. Refused while any replica holds a lease.
-    pub async fn reshard(&self, n: u32) -> Result<u64, StoreError> {
+    /// Splits the buckets into `n` shards (1–1024); returns the count before.
+    /// Only the lease table changes: no outbox row is rewritten, producers are
+    /// not held up, and relays may keep running. Their tenures of the old
+    /// layout end at once (renewals and marks under the old tokens are refused;
+    /// rows they had claimed come back when their row leases run out, and a
+    /// key's next event waits for that), and they take their share of the new
+    /// shards on their next round.
+    pub async fn reshard(&self, n: u32) -> Result<u32, StoreError> {
         if !(1..=ShardId::MAX_SHARDS).contains(&n) {
             return Err(StoreError::Refused(format!(
                 "the shard count must be between 1 and {}, not {n}",
                 ShardId::MAX_SHARDS
             )));
         }
-        let n = n as i32;
         let mut conn = self.conn().await?;
         let tx = conn.transaction().await?;
-        // Inserts wait for the few seconds this takes, so no row is hashed with
-        // the old count after the new one is set.
-        tx.batch_execute("LOCK TABLE outbox IN SHARE ROW EXCLUSIVE MODE")
-            .await?;
-        let owners: Vec<String> = tx
-            .query(LIVE_OWNERS, &[])
-            .await?
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        if !owners.is_empty() {
-            return Err(StoreError::Refused(format!(
-                "relays are running (replicas holding shard leases: {}); stop them first",
-                owners.join(", ")
-            )));
-        }
+        let before: i32 = tx.query_one(LOCK_SHARD_COUNT, &[]).await?.get(0);
+        let (n, buckets) = (n as i32, BUCKETS as i32);
         tx.execute(SET_SHARD_COUNT, &[&n]).await?;
-        tx.execute(RESHARD_LEASES, &[&n]).await?;
-        let rows = tx.execute(RESHARD_ROWS, &[&n]).await?;
+        tx.execute(CLEAR_LEASES, &[]).await?;
+        tx.execute(RESHARD_LEASES, &[&n, &buckets]).await?;
         tx.commit().await?;
-        Ok(rows)
+        Ok(before as u32)
     }
 }
 

@@ -38,7 +38,7 @@ pub fn config_toml(db: &TestDb, sink_url: &str, routes: &str) -> String {
         url = "{db}"
         pool_size = 12
         [relay]
-        shards = 8
+
         publishers = 3
         claim_batch = 200
         max_in_flight = 1000

@@ -29,7 +29,8 @@ pub mod routes;
 pub mod row;
 pub mod server;
 pub mod sink;
-pub mod testkit;
+#[cfg(test)]
+mod testing;
 
 pub use config::Config;
 pub use daemon::run_until_signal;

@@ -4,11 +4,12 @@
 //! for a retry gives nothing (not even its later rows), and a claim stops at
 //! its limit instead of taking the oldest heads of the whole shard.
 
+mod common;
+
 use outbox_relay::actors::claimer::{next_key_cursor, CLAIM_HEADS_SQL, CLAIM_HEADS_TYPES};
 use outbox_relay::actors::coordinator::seize_shard;
 use std::time::Duration;
 
-use outbox_relay::testkit::TestDb;
 use tokio_postgres::{Client, Statement};
 
 struct Claim {
@@ -57,7 +58,7 @@ fn keys(got: &[(String, i64)]) -> Vec<&str> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_key_walk_resumes_after_its_cursor_and_wraps_around() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let client = db.client().await.unwrap();
     // One shard, keys k0..k9 with three events each (ids in key-major order
     // would make age order and key order agree; interleave them instead).
@@ -169,7 +170,7 @@ fn the_cursor_is_the_last_key_in_walk_order() {
 /// Each head must be checked through the primary key instead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_ordered_claim_goes_through_the_primary_key_on_a_fresh_backlog() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let client = db.client().await.unwrap();
     client
         .batch_execute(

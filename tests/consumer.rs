@@ -23,8 +23,8 @@ use outbox_relay::consumer::idempotent::{consume_once, prune_processed, ConsumeE
 use outbox_relay::consumer::qstash::{Clock, SignatureError, Verifier};
 use outbox_relay::consumer::webhooks::{WebhookError, WebhookVerifier};
 use outbox_relay::server::callback::{failure_callback_router, CallbackOptions};
-use outbox_relay::testkit::TestDb;
 use outbox_relay::{enqueue, NewEvent};
+use outbox_testkit::TestDb;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -536,8 +536,8 @@ fn webhook_tampered_body_missing_and_garbage_headers() {
 // ───────────────────────────── consume_once ─────────────────────────────
 
 async fn setup_db() -> (TestDb, outbox_relay::db::Pool) {
-    let db = TestDb::new().await.unwrap();
-    let pool = db.pool(12).unwrap();
+    let db = common::test_db().await;
+    let pool = common::pool(&db, 12);
     let conn = pool.get().await.unwrap();
     conn.batch_execute("CREATE TABLE side_effects (message_id text NOT NULL, note text)")
         .await

@@ -7,12 +7,13 @@
 //! mark with 20,000 rows pending, which stalled the whole relay behind its
 //! in-flight permits (found by the load-test drain scenario).
 
+mod common;
+
 use outbox_relay::actors::marker::{MARK_SQL, MARK_TYPES};
-use outbox_relay::testkit::TestDb;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_mark_update_goes_through_the_primary_key_on_a_fresh_backlog() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let client = db.client().await.unwrap();
     // A backlog written in bulk, as after a COPY or a burst: no ANALYZE ran.
     client

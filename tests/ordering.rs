@@ -6,11 +6,10 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use common::sink::TestSink;
-use common::{config, count, pending, wait_until, TOKEN};
+use common::{config, count, pending, wait_until};
 use outbox_relay::config::PublishMode;
-use outbox_relay::testkit::TestDb;
 use outbox_relay::{enqueue_many, NewEvent, Relay};
+use outbox_testkit::TestDb;
 use serde_json::json;
 use uuid::Uuid;
 
@@ -47,8 +46,8 @@ fn ordered_event(i: usize, key: usize) -> NewEvent {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handover_waits_until_no_request_of_the_shard_is_open() {
     const DELAY: Duration = Duration::from_secs(8);
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     sink.set_delay(DELAY);
     let keys = 16;
     insert(
@@ -107,8 +106,8 @@ async fn a_handover_waits_until_no_request_of_the_shard_is_open() {
 /// the same shards: both kinds drain together.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ordered_backlog_does_not_starve_unordered_types() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     let ordered = 4_000;
     let unordered = 400;
     insert(

@@ -14,8 +14,8 @@ use crate::adversarial::AdversarialReport;
 use crate::metrics::ReplicaMetrics;
 use crate::procstat::RelayUsage;
 use crate::producer::ProduceStats;
-use crate::sink::{Record, SinkStats};
 use crate::verify::{OutboxRow, Verification};
+use outbox_testkit::sink::{Record, SinkStats};
 
 /// Latency percentiles in microseconds.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]

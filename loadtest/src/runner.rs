@@ -1,7 +1,7 @@
 //! Runs one scenario end to end:
 //!
 //! 1. a fresh database: on the server given (`--database-url`), else on a
-//!    throwaway cluster of our own (`testkit::ThrowawayCluster`);
+//!    throwaway cluster of our own (`outbox_testkit::ThrowawayCluster`);
 //! 2. `outbox-relay migrate`;
 //! 3. the in-process sink, with the scenario's faults;
 //! 4. the relay's TOML config (one QStash route to the sink), written to the
@@ -34,11 +34,11 @@ use crate::adversarial::{self, ProgressSample};
 use crate::metrics::ReplicaMetrics;
 use crate::procstat::UsageTracker;
 use crate::producer::{self, ProduceProgress, ProduceStats, APPLICATION_NAME};
-use crate::relay::{RelayCommand, RelayError, RelayProcess, RelayProgram};
 use crate::report::{ChaosStats, DeadTuplePoint, Report, ReportInput, VacuumReport};
 use crate::scenario::{replica_config_toml, ChaosSpec, Scenario, ScenarioKind, VacuumWatchSpec};
-use crate::sink::{Sink, SinkConfig};
 use crate::verify::{load_rows, verify, verify_rows, VerifyOptions};
+use outbox_testkit::relay::{Output, RelayCommand, RelayError, RelayProcess, RelayProgram};
+use outbox_testkit::sink::{Sink, SinkConfig};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
@@ -80,9 +80,9 @@ impl RunOptions {
     pub fn new(out_dir: impl Into<PathBuf>) -> Self {
         RunOptions {
             database_url: None,
-            relay: crate::relay::locate_relay(
+            relay: outbox_testkit::relay::locate_relay(
                 &std::env::current_exe().unwrap_or_default(),
-                crate::relay::compiled_sources().as_deref(),
+                outbox_testkit::relay::compiled_sources().as_deref(),
             ),
             out_dir: out_dir.into(),
             keep_database: false,
@@ -97,7 +97,7 @@ pub struct RunDatabase {
     pub url: String,
     pub name: String,
     server_url: String,
-    cluster: Option<outbox_relay::testkit::ThrowawayCluster>,
+    cluster: Option<outbox_testkit::ThrowawayCluster>,
 }
 
 impl RunDatabase {
@@ -106,11 +106,10 @@ impl RunDatabase {
         let (server_url, cluster) = match server_url {
             Some(url) => (url.to_owned(), None),
             None => {
-                let cluster =
-                    tokio::task::spawn_blocking(outbox_relay::testkit::ThrowawayCluster::start)
-                        .await
-                        .map_err(|e| setup("throwaway cluster")(&e))?
-                        .map_err(|e| setup("throwaway cluster")(&e))?;
+                let cluster = tokio::task::spawn_blocking(outbox_testkit::ThrowawayCluster::start)
+                    .await
+                    .map_err(|e| setup("throwaway cluster")(&e))?
+                    .map_err(|e| setup("throwaway cluster")(&e))?;
                 (cluster.url(), Some(cluster))
             }
         };
@@ -123,7 +122,7 @@ impl RunDatabase {
             .batch_execute(&format!("CREATE DATABASE {name}"))
             .await?;
         Ok(RunDatabase {
-            url: outbox_relay::testkit::url_with_dbname(&server_url, &name),
+            url: outbox_testkit::url_with_dbname(&server_url, &name),
             name,
             server_url,
             cluster,
@@ -362,18 +361,14 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
             toml::from_str(&text).map_err(|e| setup("relay config")(&e))?;
         lease = lease.max(parsed.relay.lease);
         std::fs::write(&config, text)?;
-        let cmd = RelayCommand {
-            bin: opts.relay.bin.clone(),
-            args: opts.relay.args.clone(),
-            config,
-            database_url: db.url.clone(),
-            qstash_url: sink.url(),
-            qstash_token: sink.token().to_owned(),
-            log: Some(
-                opts.out_dir
-                    .join(replica_file_name("relay", "log", i, s.replicas)),
-            ),
-        };
+        let log = opts
+            .out_dir
+            .join(replica_file_name("relay", "log", i, s.replicas));
+        let cmd = RelayCommand::new(&opts.relay, config)
+            .env("DATABASE_URL", &db.url)
+            .env("QSTASH_URL", sink.url())
+            .env("QSTASH_TOKEN", sink.token())
+            .output(Output::Append(log.clone()), Output::Append(log));
         replicas.push(Replica {
             index: i,
             cmd,

@@ -8,7 +8,7 @@ use outbox_relay::config::Ordering;
 use serde::{Deserialize, Serialize};
 
 use crate::producer::{LoadSpec, PreloadSpec};
-use crate::sink::FaultConfig;
+use outbox_testkit::sink::FaultConfig;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

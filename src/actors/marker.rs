@@ -412,7 +412,7 @@ mod tests {
     use super::*;
     use crate::actors::{InFlight, Lease};
     use crate::sink::{DeadReason, RetryReason};
-    use crate::testkit::TestDb;
+    use crate::testing::{RelayTestDb as _, TestDb};
 
     /// One mark PostgreSQL cannot store (a NUL in its text) among good ones:
     /// the others are written, the bad one is reported, nothing is kept back.

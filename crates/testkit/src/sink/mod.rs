@@ -1,4 +1,4 @@
-//! A QStash-compatible sink for load tests and the relay's own tests.
+//! The QStash stand-in of the relay's tests and of the load-test harness.
 //!
 //! Speaks QStash's two publish endpoints over HTTP/1.1 and h2c:
 //!
@@ -33,6 +33,13 @@
 //! rejected ones only count in [`SinkStats`]. Faults are in [`faults`];
 //! delivery mode (forward to the destination, signed) is in [`DeliveryConfig`].
 //!
+//! For tests, [`rules`] decide per message what the sink answers
+//! ([`SinkHandle::set_rule`]), and with [`SinkConfig::keep_messages`] every
+//! judged message is kept with its headers and body ([`SinkHandle::received`]).
+//! The sink also takes webhook POSTs under `/hook` (no token; answered `204`,
+//! or as the rule says), so one server stands in for QStash and for a
+//! webhook destination.
+//!
 //! Besides the records, the sink logs what it *answered* about each message
 //! ([`AnswerEvent`]): accepted readably, taken but answered unreadably, rejected
 //! for itself, or failed with the whole request. The adversarial fault mode
@@ -46,6 +53,7 @@
 pub mod adversary;
 pub mod delivery;
 pub mod faults;
+pub mod rules;
 pub mod signing;
 
 use std::collections::{BTreeMap, HashMap};
@@ -75,6 +83,8 @@ pub use adversary::{AnswerEvent, AnswerKind, OutageWindow};
 pub use delivery::{DeliveryConfig, DeliveryOutcome};
 pub use faults::{AdversarialConfig, FaultConfig, OutageKind, OutageSpec};
 use faults::{FaultState, RequestFault};
+use rules::Rules;
+pub use rules::{RawAnswer, Received, Reply};
 pub use signing::{DEV_CURRENT_SIGNING_KEY, DEV_NEXT_SIGNING_KEY, DEV_TOKEN};
 
 /// Header carrying the outbox row id (the relay forwards `x-outbox-id`).
@@ -112,6 +122,10 @@ pub struct SinkConfig {
     pub faults: FaultConfig,
     /// Forward accepted messages to their destinations; off when `None`.
     pub delivery: Option<DeliveryConfig>,
+    /// Keep every request line and every judged message with its headers and
+    /// body ([`SinkHandle::received`], [`SinkHandle::requests`]): for tests,
+    /// since memory grows with the run.
+    pub keep_messages: bool,
 }
 
 impl Default for SinkConfig {
@@ -122,6 +136,18 @@ impl Default for SinkConfig {
             dedup_window: Duration::from_secs(600),
             faults: FaultConfig::default(),
             delivery: None,
+            keep_messages: false,
+        }
+    }
+}
+
+impl SinkConfig {
+    /// For a test: a free loopback port, `token`, every message kept.
+    pub fn for_tests(token: &str) -> SinkConfig {
+        SinkConfig {
+            token: token.to_owned(),
+            keep_messages: true,
+            ..SinkConfig::default()
         }
     }
 }
@@ -222,6 +248,7 @@ struct Shared {
     refuse: watch::Sender<bool>,
     /// Whether the listener is open.
     listening: watch::Sender<bool>,
+    rules: Rules,
 }
 
 /// Starts sinks: `Sink::start(SinkConfig::default()).await?`.
@@ -261,6 +288,7 @@ impl Sink {
             cut_all: watch::channel(0).0,
             refuse: watch::channel(false).0,
             listening: watch::channel(true).0,
+            rules: Rules::new(config.keep_messages),
         });
         let server = tokio::spawn(accept_loop(listener, Arc::clone(&shared)));
         Ok(SinkHandle {
@@ -379,6 +407,48 @@ impl SinkHandle {
             .as_ref()
             .map(|d| d.outcomes())
             .unwrap_or_default()
+    }
+
+    /// Decides what the sink answers about each message from now on (see
+    /// [`rules`]); the default accepts everything.
+    pub fn set_rule(&self, rule: impl Fn(&Received) -> Reply + Send + Sync + 'static) {
+        self.shared.rules.set_rule(Box::new(rule));
+    }
+
+    /// Answers `/v2/batch` requests as this says when it returns `Some`: the
+    /// answer, and which messages it counts as accepted.
+    pub fn set_batch_rule(
+        &self,
+        rule: impl Fn(&[Received]) -> Option<(RawAnswer, Vec<bool>)> + Send + Sync + 'static,
+    ) {
+        self.shared.rules.set_batch_rule(Box::new(rule));
+    }
+
+    /// Every QStash request waits this long before it is answered (the
+    /// faults' `latency`, kept apart from their random draws).
+    pub fn set_delay(&self, delay: Duration) {
+        self.shared
+            .faults
+            .lock()
+            .expect("faults lock")
+            .config
+            .latency = delay;
+    }
+
+    /// Every judged message, accepted or not, in the order judged (kept with
+    /// [`SinkConfig::keep_messages`]).
+    pub fn received(&self) -> Vec<Received> {
+        self.shared.rules.received()
+    }
+
+    /// The judged messages the sink accepted.
+    pub fn accepted(&self) -> Vec<Received> {
+        self.received().into_iter().filter(|r| r.accepted).collect()
+    }
+
+    /// `METHOD path` of every HTTP request (kept with [`SinkConfig::keep_messages`]).
+    pub fn requests(&self) -> Vec<String> {
+        self.shared.rules.requests()
     }
 
     /// Replaces the fault configuration (and reseeds its RNG) from the next request on.
@@ -609,6 +679,55 @@ enum Endpoint {
     Batch,
 }
 
+/// What the rules made of a request's messages.
+enum Ruled {
+    /// They answered it.
+    Answered(Resp),
+    /// They let every message go on; the judged messages when rules are active.
+    Pass {
+        messages: Vec<Message>,
+        received: Option<Vec<Received>>,
+    },
+}
+
+/// The request body, up to [`MAX_BODY_BYTES`]; else the 400 to answer.
+async fn read_body(shared: &Shared, body: Incoming) -> Result<Bytes, Resp> {
+    match Limited::new(body, MAX_BODY_BYTES).collect().await {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(e) => {
+            bump(&shared.counters.bad_requests);
+            Err(error_response(
+                StatusCode::BAD_REQUEST,
+                &format!("cannot read the body: {e}"),
+            ))
+        }
+    }
+}
+
+/// A webhook POST under `/hook/…`: judged by the rule, answered `204` when
+/// accepted. No token, faults or deduplication: this is a destination, not QStash.
+async fn webhook(
+    shared: &Shared,
+    parts: http::request::Parts,
+    body: Incoming,
+) -> Result<Resp, Infallible> {
+    let body = match read_body(shared, body).await {
+        Ok(b) => b,
+        Err(refused) => return Ok(refused),
+    };
+    let (msg, reply) =
+        shared
+            .rules
+            .judge(Received::webhook(parts.uri.path(), &parts.headers, &body));
+    shared.rules.record(vec![msg]);
+    Ok(reply.refusal().unwrap_or_else(|| {
+        Response::builder()
+            .status(StatusCode::NO_CONTENT)
+            .body(AnswerBody::whole(Bytes::new()))
+            .expect("static response parts are valid")
+    }))
+}
+
 async fn handle(
     shared: Arc<Shared>,
     req: Request<Incoming>,
@@ -617,6 +736,10 @@ async fn handle(
     bump(&shared.counters.requests);
     let (parts, body) = req.into_parts();
     let path = parts.uri.path();
+    shared.rules.note_request(&parts.method, path);
+    if path == "/hook" || path.starts_with("/hook/") {
+        return webhook(&shared, parts, body).await;
+    }
     let endpoint = if path.starts_with("/v2/publish/") {
         Endpoint::Publish
     } else if path == "/v2/batch" {
@@ -634,15 +757,9 @@ async fn handle(
         bump(&shared.counters.unauthorized);
         return Ok(error_response(StatusCode::UNAUTHORIZED, "Unauthorized"));
     }
-    let body = match Limited::new(body, MAX_BODY_BYTES).collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(e) => {
-            bump(&shared.counters.bad_requests);
-            return Ok(error_response(
-                StatusCode::BAD_REQUEST,
-                &format!("cannot read the body: {e}"),
-            ));
-        }
+    let body = match read_body(&shared, body).await {
+        Ok(b) => b,
+        Err(refused) => return Ok(refused),
     };
     let messages = match endpoint {
         Endpoint::Publish => {
@@ -728,8 +845,15 @@ async fn handle(
         _ => {}
     }
 
+    let (messages, mut received) = match shared.apply_rules(batch, messages, &ids) {
+        Ruled::Answered(resp) => return Ok(resp),
+        Ruled::Pass { messages, received } => (messages, received),
+    };
     if batch && shared.poison_rejects_batch() {
         if let Some(error) = messages.iter().find_map(|m| shared.poison_error(m)) {
+            let mut refused = received.take().unwrap_or_default();
+            refused.iter_mut().for_each(|r| r.accepted = false);
+            shared.rules.record(refused);
             // Refused as a whole, as QStash refuses a batch that fails validation:
             // nothing in it is accepted, and the relay resends them one by one.
             bump(&c.poison_rejected);
@@ -750,6 +874,12 @@ async fn handle(
         .into_iter()
         .map(|m| shared.accept(m, batch))
         .collect();
+    if let Some(mut received) = received {
+        for (r, o) in received.iter_mut().zip(&outcomes) {
+            r.accepted = matches!(o, Outcome::Accepted { .. });
+        }
+        shared.rules.record(received);
+    }
     // What each message's answer says, before the answer is spoilt.
     let mut kinds: Vec<AnswerKind> = outcomes
         .iter()
@@ -913,7 +1043,7 @@ fn percent_decode(s: &str) -> String {
 /// One message to accept, from either endpoint.
 struct Message {
     destination: String,
-    /// Lowercased names.
+    /// Lowercased names; `/v2/publish`: every request header.
     headers: Vec<(String, String)>,
     body: Bytes,
 }
@@ -971,7 +1101,6 @@ fn publish_message(parts: &http::request::Parts, body: Bytes) -> Result<Message,
     let headers = parts
         .headers
         .iter()
-        .filter(|(name, _)| *name != http::header::AUTHORIZATION)
         .map(|(name, value)| {
             (
                 name.as_str().to_owned(),
@@ -1043,6 +1172,58 @@ enum Outcome {
 }
 
 impl Shared {
+    /// Judges the messages by the rules (when active): a batch rule's answer,
+    /// or the first refusal, answers the request; else they go on.
+    fn apply_rules(&self, batch: bool, messages: Vec<Message>, ids: &[Option<i64>]) -> Ruled {
+        if !self.rules.active() {
+            return Ruled::Pass {
+                messages,
+                received: None,
+            };
+        }
+        let (mut received, replies): (Vec<Received>, Vec<Reply>) = messages
+            .iter()
+            .map(|m| self.rules.judge(Received::of(m)))
+            .unzip();
+        if batch {
+            if let Some((answer, accepted)) = self.rules.batch_answer(&received) {
+                for ((m, r), a) in messages.into_iter().zip(&mut received).zip(accepted) {
+                    r.accepted = a && matches!(self.accept(m, true), Outcome::Accepted { .. });
+                }
+                self.log_answers(ids, |i| {
+                    if received[i].accepted {
+                        AnswerKind::Accepted
+                    } else {
+                        AnswerKind::Failed {
+                            status: answer.status,
+                        }
+                    }
+                });
+                self.rules.record(received);
+                return Ruled::Answered(answer.response());
+            }
+        }
+        let Some(refused) = replies.iter().find(|r| **r != Reply::Accept) else {
+            return Ruled::Pass {
+                messages,
+                received: Some(received),
+            };
+        };
+        let status = refused.status();
+        let own = ids.len() == 1 && adversary::is_permanent_rejection(status);
+        self.log_answers(ids, |_| {
+            if own {
+                AnswerKind::Rejected { status }
+            } else {
+                AnswerKind::Failed { status }
+            }
+        });
+        let answer = refused.refusal().expect("a refusal");
+        received.iter_mut().for_each(|r| r.accepted = false);
+        self.rules.record(received);
+        Ruled::Answered(answer)
+    }
+
     fn adversarial_config(&self) -> Option<AdversarialConfig> {
         self.faults
             .lock()

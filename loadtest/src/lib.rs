@@ -5,6 +5,9 @@
 //!                                                          │ /v2/batch, /v2/publish
 //!                                                          ▼
 //!                  outbox_testkit::sink::Sink (QStash stand-in, faults, records)
+//!                                                          │ [sink.delivery]: delivered, retried, flow controlled
+//!                                                          ▼
+//!                  outbox_testkit::sink::Destination (records each call; order checked per key)
 //!                                                          │
 //!                  verify (rows + records) ──▶ report (table, JSON, SVG)
 //! ```

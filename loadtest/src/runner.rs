@@ -3,8 +3,10 @@
 //! 1. a fresh database: on the server given (`--database-url`), else on a
 //!    throwaway cluster of our own (`outbox_testkit::ThrowawayCluster`);
 //! 2. `outbox-relay migrate`;
-//! 3. the in-process sink, with the scenario's faults;
-//! 4. the relay's TOML config (one QStash route to the sink), written to the
+//! 3. the in-process sink, with the scenario's faults; with `[sink.delivery]`
+//!    also the final destination it delivers to;
+//! 4. the relay's TOML config (one QStash route through the sink, to its
+//!    `/hook` or to the final destination), written to the
 //!    output directory: `relay.toml`, or `relay-<i>.toml` per replica when the
 //!    scenario runs several (`replicas`), each with its own metrics port;
 //! 5. preload (drain), then the relay child processes (one per replica, logs in
@@ -18,7 +20,9 @@
 //! 8. scrape each replica's `/metrics` once, SIGTERM every replica (each must
 //!    exit 0); with `[vacuum_watch]`, watch the outbox's dead tuples until
 //!    autovacuum reclaims them;
-//! 9. verify, report (table, JSON, SVG).
+//! 9. with `[sink.delivery]`, wait for the deliveries to end and check each
+//!    partition key's order at the final destination;
+//! 10. verify, report (table, JSON, SVG).
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -38,7 +42,7 @@ use crate::report::{ChaosStats, DeadTuplePoint, Report, ReportInput, VacuumRepor
 use crate::scenario::{replica_config_toml, ChaosSpec, Scenario, ScenarioKind, VacuumWatchSpec};
 use crate::verify::{load_rows, verify, verify_rows, VerifyOptions};
 use outbox_testkit::relay::{Output, RelayCommand, RelayError, RelayProcess, RelayProgram};
-use outbox_testkit::sink::{Sink, SinkConfig};
+use outbox_testkit::sink::{check_order, Destination, Sink, SinkConfig};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
@@ -343,20 +347,34 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
     );
     let admin = producer::connect(&db.url).await?;
 
+    // Delivery mode: the final destination the sink delivers to.
+    let destination = match &s.sink.delivery {
+        Some(d) => Some(
+            Destination::start(d.destination())
+                .await
+                .map_err(|e| setup("destination")(&e))?,
+        ),
+        None => None,
+    };
     let sink = Sink::start(SinkConfig {
         dedup_window: s.sink.dedup_window,
         faults: s.sink.faults.clone(),
+        delivery: s.sink.delivery.as_ref().map(|d| d.delivery()),
         ..SinkConfig::default()
     })
     .await
     .map_err(|e| setup("sink")(&e))?;
+    let route_destination = match &destination {
+        Some(d) => format!("{}/events", d.url()),
+        None => format!("{}/hook", sink.url()),
+    };
     let mut replicas = Vec::with_capacity(s.replicas as usize);
     let mut lease = Duration::ZERO;
     for (i, port) in (0..s.replicas).zip(free_ports(s.replicas as usize)?) {
         let config = opts
             .out_dir
             .join(replica_file_name("relay", "toml", i, s.replicas));
-        let text = replica_config_toml(s, sink.addr().port(), port, i)?;
+        let text = replica_config_toml(s, sink.addr().port(), &route_destination, port, i)?;
         let parsed: outbox_relay::Config =
             toml::from_str(&text).map_err(|e| setup("relay config")(&e))?;
         lease = lease.max(parsed.relay.lease);
@@ -621,11 +639,45 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
         None => None,
     };
 
+    // Delivery mode: the deliveries (and their retries) still under way end
+    // before the destination is checked.
+    let destination_report = match (&destination, &s.sink.delivery) {
+        (Some(dest), Some(spec)) => {
+            let fresh = sink.records().iter().filter(|r| !r.deduplicated).count();
+            if !sink.wait_for_deliveries(fresh, spec.settle_timeout).await {
+                failures.push(format!(
+                    "{} of {fresh} deliveries still under way after settle_timeout ({})",
+                    fresh - sink.deliveries().len().min(fresh),
+                    humantime::format_duration(spec.settle_timeout)
+                ));
+            }
+            let checked = check_order(&dest.calls(), s.ordered().then_some(1));
+            if s.ordered() && spec.check_order && checked.out_of_order > 0 {
+                failures.push(format!(
+                    "{} events reached the destination out of order in {} keys: {}",
+                    checked.out_of_order,
+                    checked.out_of_order_keys,
+                    checked.examples.join("; ")
+                ));
+            }
+            if checked.over_parallelism_keys > 0 {
+                failures.push(format!(
+                    "{} keys had more calls in flight at the destination than parallelism 1",
+                    checked.over_parallelism_keys
+                ));
+            }
+            Some(checked)
+        }
+        _ => None,
+    };
     let records = sink.records();
     let sink_stats = sink.stats();
     let answers = sink.answers();
     let outages = sink.outages();
     sink.stop().await;
+    if let Some(dest) = destination {
+        dest.stop().await;
+    }
     let mut opts_verify = VerifyOptions {
         ordered: s.ordered(),
         poison_ids: s.sink.faults.poison_ids.clone(),
@@ -677,6 +729,7 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
     report.replicas = s.replicas;
     report.replica_metrics = replica_metrics;
     report.vacuum = vacuum;
+    report.destination = destination_report;
     if let Some(a) = adversarial_report {
         failures.extend(a.failures());
         report.adversarial = Some(a);

@@ -30,8 +30,14 @@
 //! as above.
 //!
 //! Every accepted message (fresh or deduplicated) becomes a [`Record`];
-//! rejected ones only count in [`SinkStats`]. Faults are in [`faults`];
-//! delivery mode (forward to the destination, signed) is in [`DeliveryConfig`].
+//! rejected ones only count in [`SinkStats`]. Faults are in [`faults`].
+//!
+//! **Delivery mode** ([`SinkConfig::delivery`], [`delivery`]) does what QStash
+//! does after it accepted a message: deliver it to its destination, signed,
+//! with flow control (`parallelism` per key), retries after a delay, and
+//! callbacks and failure callbacks after the attempts. The final destination
+//! a test or scenario delivers to is [`destination`], whose [`check_order`]
+//! says whether each partition key's events arrived in order.
 //!
 //! For tests, [`rules`] decide per message what the sink answers
 //! ([`SinkHandle::set_rule`]), and with [`SinkConfig::keep_messages`] every
@@ -52,6 +58,7 @@
 
 pub mod adversary;
 pub mod delivery;
+pub mod destination;
 pub mod faults;
 pub mod rules;
 pub mod signing;
@@ -80,7 +87,12 @@ use tokio::task::JoinSet;
 
 use adversary::{ActiveOutage, Garble};
 pub use adversary::{AnswerEvent, AnswerKind, OutageWindow};
-pub use delivery::{DeliveryConfig, DeliveryOutcome};
+pub use delivery::{
+    CallbackKind, CallbackOutcome, DeliveryAttempt, DeliveryConfig, DeliveryOutcome, RetryDelay,
+};
+pub use destination::{
+    check_order, Call, Destination, DestinationConfig, DestinationHandle, DestinationReport,
+};
 pub use faults::{AdversarialConfig, FaultConfig, OutageKind, OutageSpec};
 use faults::{FaultState, RequestFault};
 use rules::Rules;
@@ -258,6 +270,9 @@ impl Sink {
     /// Binds and serves until [`SinkHandle::stop`] (or the handle is dropped).
     pub async fn start(config: SinkConfig) -> Result<SinkHandle, SinkError> {
         config.faults.validate().map_err(SinkError::Config)?;
+        if let Some(d) = &config.delivery {
+            d.validate().map_err(SinkError::Config)?;
+        }
         let listener = TcpListener::bind(config.bind)
             .await
             .map_err(|source| SinkError::Bind {
@@ -402,11 +417,7 @@ impl SinkHandle {
 
     /// Finished deliveries (delivery mode only), in completion order.
     pub fn deliveries(&self) -> Vec<DeliveryOutcome> {
-        self.shared
-            .deliverer
-            .as_ref()
-            .map(|d| d.outcomes())
-            .unwrap_or_default()
+        self.read_deliverer(|d| d.outcomes())
     }
 
     /// Decides what the sink answers about each message from now on (see
@@ -460,22 +471,41 @@ impl SinkHandle {
 
     /// Waits until at least `n` messages were accepted; false on timeout.
     pub async fn wait_for_records(&self, n: usize, timeout: Duration) -> bool {
-        let mut rx = self.shared.recorded.subscribe();
-        tokio::time::timeout(timeout, rx.wait_for(|count| *count >= n))
-            .await
-            .is_ok_and(|r| r.is_ok())
+        count_reaches(self.shared.recorded.subscribe(), n, timeout).await
+    }
+
+    /// Every delivery attempt so far (delivery mode only), in the order they ended.
+    pub fn delivery_attempts(&self) -> Vec<DeliveryAttempt> {
+        self.read_deliverer(|d| d.attempts())
+    }
+
+    /// Finished callbacks and failure callbacks (delivery mode only), in
+    /// completion order.
+    pub fn callbacks(&self) -> Vec<CallbackOutcome> {
+        self.read_deliverer(|d| d.callbacks())
+    }
+
+    /// Waits until at least `n` callbacks finished (delivered or given up);
+    /// false on timeout or when delivery mode is off.
+    pub async fn wait_for_callbacks(&self, n: usize, timeout: Duration) -> bool {
+        match &self.shared.deliverer {
+            Some(d) => count_reaches(d.subscribe_callbacks(), n, timeout).await,
+            None => false,
+        }
     }
 
     /// Waits until at least `n` deliveries finished; false on timeout or when
     /// delivery mode is off.
     pub async fn wait_for_deliveries(&self, n: usize, timeout: Duration) -> bool {
-        let Some(d) = &self.shared.deliverer else {
-            return false;
-        };
-        let mut rx = d.subscribe();
-        tokio::time::timeout(timeout, rx.wait_for(|count| *count >= n))
-            .await
-            .is_ok_and(|r| r.is_ok())
+        match &self.shared.deliverer {
+            Some(d) => count_reaches(d.subscribe(), n, timeout).await,
+            None => false,
+        }
+    }
+
+    /// What `f` reads from the deliverer; nothing when delivery mode is off.
+    fn read_deliverer<T>(&self, f: impl FnOnce(&delivery::Deliverer) -> Vec<T>) -> Vec<T> {
+        self.shared.deliverer.as_deref().map(f).unwrap_or_default()
     }
 
     /// Stops listening, drops open connections and pending deliveries.
@@ -500,6 +530,13 @@ impl Drop for SinkHandle {
             d.abort_all();
         }
     }
+}
+
+/// Whether the count `rx` watches reaches `n` within `timeout`.
+async fn count_reaches(mut rx: watch::Receiver<usize>, n: usize, timeout: Duration) -> bool {
+    tokio::time::timeout(timeout, rx.wait_for(|count| *count >= n))
+        .await
+        .is_ok_and(|r| r.is_ok())
 }
 
 /// Resolves once the shutdown flag is set (or its sender is gone).
@@ -1407,15 +1444,25 @@ impl Shared {
                 error: "injected message failure".to_owned(),
             };
         }
-        if self.deliverer.is_some() {
-            if let Err(reason) = delivery::check_loopback(&msg.destination) {
-                bump(&c.bad_requests);
-                return Outcome::Rejected {
-                    status: StatusCode::BAD_REQUEST,
-                    error: reason,
-                };
-            }
-        }
+        let delivery = match &self.deliverer {
+            Some(d) => match delivery::Delivery::plan(
+                outbox_id,
+                &msg.destination,
+                &msg.headers,
+                msg.body.clone(),
+                d.default_retries(),
+            ) {
+                Ok(plan) => Some(plan),
+                Err(reason) => {
+                    bump(&c.bad_requests);
+                    return Outcome::Rejected {
+                        status: StatusCode::BAD_REQUEST,
+                        error: reason,
+                    };
+                }
+            },
+            None => None,
+        };
         let dedup_id = msg.header(DEDUP_ID_HEADER).map(str::to_owned);
         let dedup_key = match &dedup_id {
             Some(id) => Some(format!("id:{id}")),
@@ -1477,36 +1524,15 @@ impl Shared {
             bump(&c.deduplicated);
         }
         self.recorded.send_replace(n);
-        if let (Some(deliverer), false) = (&self.deliverer, deduplicated) {
-            deliverer.spawn(to_delivery(&msg, &message_id));
+        if let (Some(deliverer), Some(delivery), false) = (&self.deliverer, delivery, deduplicated)
+        {
+            deliverer.spawn(&message_id, delivery);
         }
         Outcome::Accepted {
             message_id,
             url: msg.destination,
             deduplicated,
         }
-    }
-}
-
-fn to_delivery(msg: &Message, message_id: &str) -> delivery::Delivery {
-    let method = msg
-        .header("upstash-method")
-        .and_then(|m| http::Method::from_bytes(m.as_bytes()).ok())
-        .unwrap_or(http::Method::POST);
-    let mut headers = Vec::new();
-    for (name, value) in &msg.headers {
-        if let Some(forwarded) = name.strip_prefix(FORWARD_PREFIX) {
-            headers.push((forwarded.to_owned(), value.clone()));
-        } else if name == "content-type" {
-            headers.push((name.clone(), value.clone()));
-        }
-    }
-    delivery::Delivery {
-        message_id: message_id.to_owned(),
-        destination: msg.destination.clone(),
-        method,
-        headers,
-        body: msg.body.clone(),
     }
 }
 

@@ -6,11 +6,11 @@ use std::time::Duration;
 
 use chrono::Utc;
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use outbox_client::consumer::qstash::{Clock, Verifier};
+use outbox_client::row::OutboxRow;
 use outbox_relay::backoff::Backoff;
 use outbox_relay::config::Config;
-use outbox_relay::consumer::qstash::{Clock, Verifier};
 use outbox_relay::routes::Router;
-use outbox_relay::row::OutboxRow;
 use outbox_relay::sink::qstash::QstashSink;
 use rand::SeedableRng;
 use uuid::Uuid;
@@ -101,7 +101,7 @@ fn cycle(c: &mut Criterion) {
         .build()
         .unwrap();
     let (db, sink_url) = rt.block_on(async {
-        let db = outbox_testkit::TestDb::with_setup(outbox_relay::db::migrate::run)
+        let db = outbox_testkit::TestDb::with_setup(outbox_relay::store::migrate::run)
             .await
             .expect("a PostgreSQL for the cycle bench");
         let app = axum::Router::new().route(
@@ -135,7 +135,7 @@ fn cycle(c: &mut Criterion) {
                     let n = Uuid::new_v4();
                     let events: Vec<_> = (0..5000)
                         .map(|i| {
-                            outbox_relay::NewEvent::new(
+                            outbox_client::NewEvent::new(
                                 Uuid::nil(),
                                 "order",
                                 format!("o-{}", i % 500),
@@ -145,7 +145,7 @@ fn cycle(c: &mut Criterion) {
                             )
                         })
                         .collect();
-                    outbox_relay::enqueue_many(&tx, &events).await.unwrap();
+                    outbox_client::enqueue_many(&tx, &events).await.unwrap();
                     tx.commit().await.unwrap();
                 })
             },

@@ -641,7 +641,7 @@ impl RouteConfig {
         if self.sink == SinkKind::Webhook {
             match &self.signing_secret {
                 Some(s) if s.starts_with("whsec_") => {
-                    crate::sink::webhook::decode_secret(s).map_err(|e| {
+                    outbox_client::signing::decode_secret(s).map_err(|e| {
                         ConfigError::invalid(format!("{at}.signing_secret"), e.to_string())
                     })?;
                 }

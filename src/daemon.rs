@@ -3,8 +3,9 @@
 
 use std::sync::{Arc, Mutex};
 
+use outbox_client::consumer::qstash::Verifier;
+
 use crate::config::Config;
-use crate::consumer::qstash::Verifier;
 use crate::relay::Relay;
 use crate::server::callback::{self, CallbackOptions};
 use crate::server::ops::{self, OpsState, Readiness};
@@ -63,7 +64,7 @@ pub async fn run_until_signal(config: Config) -> anyhow::Result<()> {
     let readiness = Arc::new(Mutex::new(Readiness::default()));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let sampler = tokio::spawn(ops::sample_forever(
-        relay.pool().clone(),
+        relay.store().clone(),
         relay.counters_handle(),
         Arc::clone(&readiness),
         config.server.stats_interval,
@@ -91,7 +92,7 @@ pub async fn run_until_signal(config: Config) -> anyhow::Result<()> {
         let mut rx = stop_rx.clone();
         let (local, _task) = callback::serve(
             addr,
-            relay.pool().clone(),
+            relay.store().clone(),
             verifier,
             callback_options(&config),
             async move {
@@ -104,7 +105,7 @@ pub async fn run_until_signal(config: Config) -> anyhow::Result<()> {
     }
     let janitor = tokio::spawn({
         let mut rx = stop_rx.clone();
-        crate::ops::prune::run_janitor(relay.pool().clone(), config.janitor.clone(), async move {
+        crate::janitor::run_janitor(relay.store().clone(), config.janitor.clone(), async move {
             let _ = rx.changed().await;
         })
     });

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use outbox_relay::config::Config;
-use outbox_relay::db;
+use outbox_relay::store::{self, Store};
 
 #[derive(Parser)]
 #[command(
@@ -70,7 +70,7 @@ enum Command {
     /// Change how many shards the outbox is hashed into (stop the relays first; set relay.shards to match).
     Reshard {
         /// The new shard count (1-1024).
-        shards: i32,
+        shards: u32,
     },
     /// Check a config file and the environment, print the effective config (secrets hidden), and exit.
     CheckConfig,
@@ -132,13 +132,13 @@ async fn dispatch(command: Command, config: Option<PathBuf>) -> anyhow::Result<E
             schema,
             ..
         } => {
-            print!("{}", db::migrate::grants(&app, &relay, &schema));
+            print!("{}", store::migrate::grants(&app, &relay, &schema));
             Ok(ExitCode::SUCCESS)
         }
         Command::Migrate { .. } => {
             let config = Config::load(config.as_deref())?;
-            let mut client = db::connect(&config.database.url).await?;
-            let report = db::migrate::run(&mut client).await?;
+            let mut client = store::connect(&config.database.url).await?;
+            let report = store::migrate::run(&mut client).await?;
             if report.applied.is_empty() {
                 println!("schema is up to date ({} migrations)", report.already);
             } else {
@@ -191,9 +191,9 @@ async fn dispatch(command: Command, config: Option<PathBuf>) -> anyhow::Result<E
         }
         Command::Reshard { shards } => {
             let config = Config::load(config.as_deref())?;
-            let mut client = db::connect(&config.database.url).await?;
-            let before = outbox_relay::ops::shards::shards(&client).await?;
-            let rows = outbox_relay::ops::shards::reshard(&mut client, shards).await?;
+            let store = Store::for_command(&config.database.url)?;
+            let before = store.shard_count().await?;
+            let rows = store.reshard(shards).await?;
             println!("resharded from {before} to {shards} shards ({rows} rows rewritten); set relay.shards = {shards}");
             Ok(ExitCode::SUCCESS)
         }

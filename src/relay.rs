@@ -7,24 +7,34 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorRef, ActorStatus};
-use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
-use crate::actors::supervisor::{ShutdownReport, Supervisor, SupervisorMsg};
-use crate::actors::{CountersSnapshot, Directory, Hooks, InFlight, Shared};
+use crate::actors::claimer::{ClaimSettings, ClaimerContext, Claimers};
+use crate::actors::coordinator::CoordinatorArgs;
+use crate::actors::inflight::InFlight;
+use crate::actors::listener::ListenerArgs;
+use crate::actors::marker::{MarkerArgs, MarkerPort};
+use crate::actors::ownership::Ownership;
+use crate::actors::publisher::{PublisherArgs, Publishers, RetryPolicy};
+use crate::actors::supervisor::{
+    RestartBudget, ShutdownReport, Supervisor, SupervisorArgs, SupervisorMsg,
+};
+use crate::actors::winddown::Winddown;
+use crate::actors::{Counters, CountersSnapshot, Wake};
 use crate::backoff::Backoff;
 use crate::config::Config;
-use crate::db;
 use crate::routes::Router;
 use crate::sink::breaker::Breakers;
 use crate::sink::{qstash::QstashSink, HttpClient, Sinks};
+use crate::store::shards::Replica;
+use crate::store::{ShardId, Store, StoreError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
     #[error("configuration: {0}")]
     Config(String),
     #[error(transparent)]
-    Db(#[from] db::DbError),
+    Store(#[from] StoreError),
     #[error("the database schema is not ready: {0} (run `outbox-relay migrate`)")]
     Schema(String),
     #[error("could not start the actor tree: {0}")]
@@ -36,11 +46,7 @@ impl RelayError {
     /// opposed to a configuration or schema problem, or an error the server
     /// reported): worth trying again.
     pub fn is_transient(&self) -> bool {
-        match self {
-            RelayError::Db(db::DbError::PoolTimeout) => true,
-            RelayError::Db(db::DbError::Postgres(e)) => e.as_db_error().is_none(),
-            _ => false,
-        }
+        matches!(self, RelayError::Store(e) if e.is_transient())
     }
 }
 
@@ -48,7 +54,16 @@ impl RelayError {
 pub struct Relay {
     supervisor: ActorRef<SupervisorMsg>,
     join: JoinHandle<()>,
-    shared: Arc<Shared>,
+    store: Store,
+    counters: Arc<Counters>,
+    in_flight: Arc<InFlight>,
+    ownership: Arc<Ownership>,
+    replica: Replica,
+    shutdown_grace: Duration,
+    /// How often `drain` looks whether it is done.
+    drain_poll: Duration,
+    /// A retry due within this counts as due for `drain` (`relay.backoff_cap`).
+    drain_horizon: Duration,
 }
 
 /// What `drain` did.
@@ -67,92 +82,181 @@ pub struct DrainReport {
     pub gave_up: bool,
 }
 
+/// How long after publishers stop starting requests every request has ended
+/// (answered or cut off by `http.request_timeout`) and its outcome is marked.
+pub fn requests_end_within(config: &Config) -> Duration {
+    config.http.request_timeout + config.relay.mark_interval + Duration::from_secs(1)
+}
+
 impl Relay {
     pub async fn start(config: Config) -> Result<Relay, RelayError> {
-        Self::start_with_hooks(config, Hooks::default()).await
+        Self::start_tree(config, |_| {}).await
     }
 
-    /// Like [`Relay::start`] with fault injection (tests of the recovery path).
-    pub async fn start_with_hooks(config: Config, hooks: Hooks) -> Result<Relay, RelayError> {
+    /// Starts the relay with the publishers' arguments changed by `adjust`
+    /// (fault injection in tests of the recovery path).
+    pub async fn start_with_hooks(
+        config: Config,
+        hooks: crate::actors::Hooks,
+    ) -> Result<Relay, RelayError> {
+        Self::start_tree(config, move |p| p.hooks = hooks).await
+    }
+
+    async fn start_tree(
+        config: Config,
+        adjust: impl FnOnce(&mut PublisherArgs),
+    ) -> Result<Relay, RelayError> {
         config
             .validate_for_relay()
             .map_err(|e| RelayError::Config(e.to_string()))?;
-        let pool = db::pool(
+        let store = Store::open(
             &config.database.url,
             config.database.pool_size,
             config.database.connect_timeout,
         )?;
-        check_schema(&pool, config.relay.shards).await?;
-        let router = Router::new(&config.routes).map_err(RelayError::Config)?;
-        let client = HttpClient::new(&config.http);
-        let shared = Arc::new(Shared {
-            sinks: Sinks {
-                client,
-                qstash: QstashSink::new(&config.qstash, &config.http),
-                max_message_bytes: config.http.max_message_bytes,
-                breakers: Breakers::new(
-                    router.routes().iter().map(|r| r.name.clone()),
-                    config.http.request_timeout,
-                    config.relay.lease,
-                ),
-            },
-            backoff: Backoff {
-                base: config.relay.backoff_base,
-                cap: config.relay.backoff_cap,
-            },
-            permits: Arc::new(Semaphore::new(config.relay.max_in_flight as usize)),
-            in_flight: Arc::new(InFlight::default()),
-            directory: Directory::new(
-                config.relay.shards as usize,
-                config.relay.publishers as usize,
-            ),
-            counters: Default::default(),
-            hooks,
-            ownership: Default::default(),
-            replica_id: crate::actors::coordinator::replica_id(&config.relay.replica_id),
-            router,
-            pool,
-            config,
+        check_schema(&store, config.relay.shards).await?;
+        let router = Arc::new(Router::new(&config.routes).map_err(RelayError::Config)?);
+        let r = &config.relay;
+        let breakers = Arc::new(Breakers::new(
+            router.routes().iter().map(|r| r.name.clone()),
+            config.http.request_timeout,
+            r.lease,
+        ));
+        let sinks = Arc::new(Sinks {
+            client: HttpClient::new(&config.http),
+            qstash: QstashSink::new(&config.qstash, &config.http),
+            max_message_bytes: config.http.max_message_bytes,
+            breakers: Arc::clone(&breakers),
         });
-        let (supervisor, join) = Actor::spawn(None, Supervisor, Arc::clone(&shared)).await?;
+        let counters = Arc::new(Counters::default());
+        let in_flight = InFlight::new(r.max_in_flight as usize);
+        let ownership = Arc::new(Ownership::default());
+        let replica = Replica::this_process(&r.replica_id);
+        let marker_port = MarkerPort::default();
+        let publishers = Publishers::new(r.publishers as usize);
+        let claimers = Claimers::new(ClaimerContext {
+            store: store.clone(),
+            settings: ClaimSettings {
+                batch: r.claim_batch as usize,
+                lease: r.lease,
+                poll_interval: r.poll_interval,
+                ordered: router.ordered_like_patterns().into(),
+                job_rows: config.qstash.batch_size as usize,
+            },
+            in_flight: Arc::clone(&in_flight),
+            breakers,
+            router: Arc::clone(&router),
+            publishers: publishers.clone(),
+            marker: marker_port.clone(),
+            counters: Arc::clone(&counters),
+        });
+        let wake: Wake = {
+            let claimers = claimers.clone();
+            Arc::new(move || claimers.wake_all())
+        };
+        let winddown = Winddown {
+            claimers: claimers.clone(),
+            ownership: Arc::clone(&ownership),
+            in_flight: Arc::clone(&in_flight),
+            marker: marker_port.clone(),
+            requests_end_within: requests_end_within(&config),
+        };
+        let mut publisher = PublisherArgs {
+            sinks,
+            router: Arc::clone(&router),
+            retry: RetryPolicy {
+                backoff: Backoff {
+                    base: r.backoff_base,
+                    cap: r.backoff_cap,
+                },
+                max_attempts: r.max_attempts,
+            },
+            ownership: Arc::clone(&ownership),
+            request_timeout: config.http.request_timeout,
+            marker: marker_port.clone(),
+            hooks: Default::default(),
+        };
+        adjust(&mut publisher);
+        let args = SupervisorArgs {
+            marker: MarkerArgs {
+                store: store.clone(),
+                batch: r.mark_batch as usize,
+                interval: r.mark_interval,
+                route_names: router.routes().iter().map(|r| r.name.clone()).collect(),
+                counters: Arc::clone(&counters),
+                in_flight: Arc::clone(&in_flight),
+                // An ordered key's next event becomes claimable with its
+                // predecessor's mark: do not leave it waiting for the poll.
+                after_flush: config.any_ordered_route().then(|| Arc::clone(&wake)),
+            },
+            marker_port,
+            publisher: Arc::new(publisher),
+            publishers,
+            publisher_count: r.publishers as usize,
+            listener: ListenerArgs {
+                url: config.database.url.clone(),
+                connect_timeout: config.database.connect_timeout,
+                wake,
+            },
+            coordinator: CoordinatorArgs {
+                store: store.clone(),
+                me: replica.clone(),
+                shard_lease: r.shard_lease,
+                shards: r.shards,
+                ownership: Arc::clone(&ownership),
+                claimers: claimers.clone(),
+                winddown: winddown.clone(),
+            },
+            claimers,
+            winddown,
+            budget: RestartBudget {
+                max: r.max_restarts,
+                window: r.restart_window,
+            },
+            shutdown_grace: r.shutdown_grace,
+            counters: Arc::clone(&counters),
+        };
+        let (supervisor, join) = Actor::spawn(None, Supervisor, args).await?;
         Ok(Relay {
             supervisor,
             join,
-            shared,
+            store,
+            counters,
+            in_flight,
+            ownership,
+            replica,
+            shutdown_grace: r.shutdown_grace,
+            drain_poll: r.poll_interval.min(Duration::from_millis(200)),
+            drain_horizon: r.backoff_cap,
         })
     }
 
     pub fn counters(&self) -> CountersSnapshot {
-        self.shared.counters.snapshot()
+        self.counters.snapshot()
     }
 
     /// The live counters (for the readiness sampler).
-    pub fn counters_handle(&self) -> Arc<crate::actors::Counters> {
-        Arc::clone(&self.shared.counters)
+    pub fn counters_handle(&self) -> Arc<Counters> {
+        Arc::clone(&self.counters)
     }
 
     /// This replica's name among those sharing the database.
     pub fn replica_id(&self) -> &str {
-        &self.shared.replica_id
+        &self.replica.id
     }
 
     /// The shards this replica holds a lease on, in order.
-    pub fn shards_owned(&self) -> Vec<i16> {
-        self.shared
-            .ownership
-            .shards()
-            .into_iter()
-            .map(|(s, _)| s)
-            .collect()
+    pub fn shards_owned(&self) -> Vec<ShardId> {
+        self.ownership.shards()
     }
 
     /// Rows claimed and not yet marked.
     pub fn in_flight(&self) -> usize {
-        self.shared.in_flight_count()
+        self.in_flight.count()
     }
 
-    pub fn pool(&self) -> &db::Pool {
-        &self.shared.pool
+    pub fn store(&self) -> &Store {
+        &self.store
     }
 
     /// Restarts per kind of actor since start.
@@ -183,18 +287,17 @@ impl Relay {
     /// Graceful stop: claimers first, in-flight work within the grace period,
     /// the marker flushed, undelivered leases released.
     pub async fn shutdown(self) -> ShutdownReport {
-        let grace = self.shared.config.relay.shutdown_grace;
         let report = match self
             .supervisor
             .call(
                 SupervisorMsg::Shutdown,
-                Some(grace + Duration::from_secs(70)),
+                Some(self.shutdown_grace + Duration::from_secs(70)),
             )
             .await
         {
             Ok(ractor::rpc::CallResult::Success(report)) => report,
             _ => ShutdownReport {
-                counters: self.shared.counters.snapshot(),
+                counters: self.counters.snapshot(),
                 ..Default::default()
             },
         };
@@ -224,78 +327,38 @@ impl Relay {
         max_duration: Option<Duration>,
         started: Instant,
     ) -> Result<DrainReport, RelayError> {
-        let poll = self
-            .shared
-            .config
-            .relay
-            .poll_interval
-            .min(Duration::from_millis(200));
-        let horizon_ms = self.shared.config.relay.backoff_cap.as_millis() as i64;
-        let client = self.shared.pool.get().await.map_err(db::DbError::from)?;
         let mut timed_out = false;
         let mut gave_up = false;
-        let (remaining, next_due) = loop {
-            tokio::time::sleep(poll).await;
-            let row = client
-                .query_one(DRAIN_STATE_SQL, &[&horizon_ms])
-                .await
-                .map_err(db::DbError::from)?;
-            let (due, pending): (i64, i64) = (row.get(0), row.get(1));
-            let next_due = row.get(2);
-            if due == 0 && self.in_flight() == 0 {
-                break (pending, next_due);
+        let state = loop {
+            tokio::time::sleep(self.drain_poll).await;
+            let state = self.store.drain_state(self.drain_horizon).await?;
+            if state.due == 0 && self.in_flight() == 0 {
+                break state;
             }
             if max_duration.is_some_and(|d| started.elapsed() >= d) {
                 timed_out = true;
-                break (pending, next_due);
+                break state;
             }
             if !self.is_running() {
                 gave_up = true;
-                break (pending, next_due);
+                break state;
             }
         };
-        drop(client);
         let report = self.shutdown().await;
         Ok(DrainReport {
             counters: report.counters,
             elapsed_secs: started.elapsed().as_secs_f64(),
-            remaining,
-            next_due,
+            remaining: state.pending,
+            next_due: state.next_due,
             timed_out,
             gave_up,
         })
     }
 }
 
-/// Pending rows that are due (a retry counts as due when it comes within
-/// `$1` ms), all pending rows, and the earliest future `available_at`.
-const DRAIN_STATE_SQL: &str = "SELECT
-    count(*) FILTER (WHERE available_at <= now()
-        + CASE WHEN attempt_count > 0 THEN $1::int8 * interval '1 millisecond'
-               ELSE interval '0' END),
-    count(*),
-    min(available_at) FILTER (WHERE available_at > now())
-FROM outbox WHERE published_at IS NULL AND dead_lettered_at IS NULL";
-
-/// The number of shards the database hashes rows into.
-pub const SHARDS_SQL: &str = "SELECT shards FROM outbox_relay_settings";
-
-async fn check_schema(pool: &db::Pool, shards: u32) -> Result<(), RelayError> {
-    let client = pool.get().await.map_err(db::DbError::from)?;
-    let latest = db::migrate::MIGRATIONS
-        .iter()
-        .map(|m| m.version)
-        .max()
-        .unwrap_or(0);
-    let applied: Option<i32> = match client
-        .query_one("SELECT max(version) FROM outbox_relay_migrations", &[])
-        .await
-    {
-        Ok(row) => row.get(0),
-        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => None,
-        Err(e) => return Err(db::DbError::from(e).into()),
-    };
-    match applied {
+async fn check_schema(store: &Store, shards: u32) -> Result<(), RelayError> {
+    let latest = Store::latest_schema();
+    match store.schema_version().await? {
         None => Err(RelayError::Schema(
             "no outbox schema in this database".into(),
         )),
@@ -303,12 +366,8 @@ async fn check_schema(pool: &db::Pool, shards: u32) -> Result<(), RelayError> {
             "schema is at migration {v}, this relay needs {latest}"
         ))),
         Some(_) => {
-            let in_db: i32 = client
-                .query_one(SHARDS_SQL, &[])
-                .await
-                .map_err(db::DbError::from)?
-                .get(0);
-            if in_db as u32 != shards {
+            let in_db = store.shard_count().await?;
+            if in_db != shards {
                 return Err(RelayError::Config(format!(
                     "configuration key `relay.shards`: is {shards}, but the outbox is sharded {in_db} ways; set relay.shards = {in_db}, or change the database with `outbox-relay reshard {shards}`"
                 )));
@@ -321,13 +380,13 @@ async fn check_schema(pool: &db::Pool, shards: u32) -> Result<(), RelayError> {
 #[cfg(test)]
 mod tests {
     use super::RelayError;
-    use crate::db::DbError;
+    use crate::store::StoreError;
 
     #[test]
     fn only_an_unreachable_database_is_worth_another_try() {
-        assert!(RelayError::Db(DbError::PoolTimeout).is_transient());
+        assert!(RelayError::Store(StoreError::PoolTimeout).is_transient());
         assert!(!RelayError::Config("relay.shards: …".into()).is_transient());
         assert!(!RelayError::Schema("no outbox schema".into()).is_transient());
-        assert!(!RelayError::Db(DbError::BadUrl("x".into())).is_transient());
+        assert!(!RelayError::Store(StoreError::BadUrl("x".into())).is_transient());
     }
 }

@@ -434,8 +434,8 @@ async fn burst_ratelimit_reset_is_honoured() {
     honours_reset_header("burst-ratelimit-reset").await;
 }
 
-fn row_with_headers(headers: &[(&str, &str)]) -> outbox_relay::row::OutboxRow {
-    outbox_relay::row::OutboxRow {
+fn row_with_headers(headers: &[(&str, &str)]) -> outbox_client::row::OutboxRow {
+    outbox_client::row::OutboxRow {
         id: 42,
         tenant_id: uuid::Uuid::nil(),
         aggregate_type: "order".into(),
@@ -520,7 +520,7 @@ fn a_webhook_row_header_replaces_and_never_forges() {
     ))
     .unwrap();
     let router = outbox_relay::routes::Router::new(&cfg.routes).unwrap();
-    let key = outbox_relay::sink::webhook::decode_secret(secret).unwrap();
+    let key = outbox_client::signing::decode_secret(secret).unwrap();
     let row = row_with_headers(&[
         ("Content-Type", "application/cloudevents+json"),
         ("Host", "evil.example.com"),
@@ -566,7 +566,7 @@ async fn drain_ends_when_only_rows_scheduled_for_later_remain() {
         let tx = client.transaction().await.unwrap();
         let mut later = common::event(1_000, "order:later");
         later.available_at = Some(chrono::Utc::now() + chrono::Duration::hours(1));
-        outbox_relay::enqueue(&tx, &later).await.unwrap();
+        outbox_client::enqueue(&tx, &later).await.unwrap();
         tx.commit().await.unwrap();
     }
     let started = Instant::now();

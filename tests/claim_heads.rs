@@ -2,51 +2,45 @@
 //! wraps around: keys before the cursor whose head became claimable are taken
 //! once the walk passes the last key, a key whose head is in flight or waiting
 //! for a retry gives nothing (not even its later rows), and a claim stops at
-//! its limit instead of taking the oldest heads of the whole shard.
+//! its limit instead of taking the oldest heads of the whole shard. (That
+//! the claim checks each head through the primary key whatever the
+//! statistics say is tested beside the statement, in `src/store/tests.rs`.)
 
 mod common;
 
-use outbox_relay::actors::claimer::{next_key_cursor, CLAIM_HEADS_SQL, CLAIM_HEADS_TYPES};
-use outbox_relay::actors::coordinator::seize_shard;
 use std::time::Duration;
 
-use tokio_postgres::{Client, Statement};
+use outbox_relay::store::outbox::{next_key_cursor, ClaimScope};
+use outbox_relay::store::{Fence, Session, ShardId, Store};
+use tokio_postgres::Client;
 
 struct Claim {
     client: Client,
-    stmt: Statement,
+    session: Session,
     cursor: String,
-    /// Shard 0's fencing token, taken for the test.
-    token: i64,
+    /// Shard 0, taken for the test.
+    fence: Fence,
 }
 
 impl Claim {
     /// One claim of up to `limit` heads; returns `(key, id)` sorted by key and
     /// moves the cursor as the claimer does.
     async fn take(&mut self, limit: i64) -> Vec<(String, i64)> {
-        let patterns = vec!["%".to_owned()];
+        let ordered = ["%".to_owned()];
+        let scope = ClaimScope {
+            fence: self.fence,
+            lease: Duration::from_secs(60),
+            ordered: &ordered,
+        };
         let rows = self
-            .client
-            .query(
-                &self.stmt,
-                &[
-                    &limit,
-                    &60_000i64,
-                    &0i16,
-                    &patterns,
-                    &self.cursor,
-                    &self.token,
-                ],
-            )
+            .session
+            .claim_heads(&scope, &mut self.cursor, limit)
             .await
             .unwrap();
         let mut got: Vec<(String, i64)> = rows
-            .iter()
-            .map(|r| (r.get::<_, String>(8), r.get::<_, i64>(0)))
+            .into_iter()
+            .map(|c| (c.row.partition_key, c.row.id))
             .collect();
-        if let Some(next) = next_key_cursor(&self.cursor, got.iter().map(|(k, _)| k.as_str())) {
-            self.cursor = next;
-        }
         got.sort();
         got
     }
@@ -71,18 +65,16 @@ async fn the_key_walk_resumes_after_its_cursor_and_wraps_around() {
         )
         .await
         .unwrap();
-    let stmt = client
-        .prepare_typed(CLAIM_HEADS_SQL, CLAIM_HEADS_TYPES)
-        .await
-        .unwrap();
-    let token = seize_shard(&client, 0, "test", Duration::from_secs(600))
+    let store = Store::open(&db.url, 2, Duration::from_secs(5)).unwrap();
+    let fence = store
+        .seize_shard(ShardId::new(0), "test", Duration::from_secs(600))
         .await
         .unwrap();
     let mut claim = Claim {
         client,
-        stmt,
+        session: store.session(),
         cursor: String::new(),
-        token,
+        fence,
     };
     let head = |key: &str, got: &[(String, i64)]| -> i64 {
         got.iter().find(|(k, _)| k == key).expect("claimed").1
@@ -161,62 +153,4 @@ fn the_cursor_is_the_last_key_in_walk_order() {
     assert_eq!(next_key_cursor("m", ["m"]), Some("m".into()));
     assert_eq!(next_key_cursor("m", ["n", "y"]), Some("y".into()));
     assert_eq!(next_key_cursor("m", std::iter::empty::<&str>()), None);
-}
-
-/// Right after a bulk load (no ANALYZE yet) the planner takes the outbox for a
-/// tiny table. The generic plan of the ordered claim then hashed the whole
-/// pending set (through `outbox_ready_idx`) to join it with the key heads:
-/// 1.1 s per claim at 1,000,000 pending, ~520 events/s until autoanalyze ran.
-/// Each head must be checked through the primary key instead.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_ordered_claim_goes_through_the_primary_key_on_a_fresh_backlog() {
-    let db = common::test_db().await;
-    let client = db.client().await.unwrap();
-    client
-        .batch_execute(
-            "INSERT INTO outbox (tenant_id, aggregate_type, aggregate_id, event_type, payload, idempotency_key, partition_key)
-             SELECT gen_random_uuid(), 'order', 'a' || g, 'order.placed', '{}', 'k' || g, 'p' || (g % 500)
-             FROM generate_series(1, 20000) g;
-             SET plan_cache_mode = force_generic_plan;",
-        )
-        .await
-        .unwrap();
-    let stmt = client
-        .prepare_typed(&format!("EXPLAIN {CLAIM_HEADS_SQL}"), CLAIM_HEADS_TYPES)
-        .await
-        .unwrap();
-    let patterns = vec!["%".to_owned()];
-    let plan: Vec<String> = client
-        .query(&stmt, &[&500i64, &60_000i64, &0i16, &patterns, &"", &1i64])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    // The heads' check and lease: the `claimable` CTE. (The shared tail that
-    // leases the chosen ids may hash-join them with a table the planner
-    // thinks small; that is not O(pending) per head.)
-    let claimable: Vec<&str> = plan
-        .iter()
-        .skip_while(|l| !l.contains("CTE claimable"))
-        .take_while(|l| !l.starts_with("  ->"))
-        .map(String::as_str)
-        .collect();
-    let claimable = claimable.join("\n");
-    let plan = plan.join("\n");
-    assert!(
-        !claimable.is_empty() && !claimable.contains("Hash"),
-        "the heads are checked one by one, not hash-joined with the outbox:\n{plan}"
-    );
-    assert!(claimable.contains("outbox_pkey"), "{plan}");
-    for index in [
-        "outbox_ready_idx",
-        "outbox_shard_ready_idx",
-        "outbox_pending_age_idx",
-    ] {
-        assert!(
-            !plan.contains(index),
-            "the claim must not walk the pending set ({index}):\n{plan}"
-        );
-    }
 }

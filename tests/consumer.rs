@@ -15,15 +15,19 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 mod common;
+/// The example consumer (`cargo run --example consumer`), its unit tests included.
+#[path = "../examples/consumer.rs"]
+#[allow(dead_code)] // its main() and serve() run only as the example binary
+mod example;
 
 use common::jwt;
+use example::{ExampleConfig, ExampleConsumer, SubjectCheck};
 use jsonwebtoken::Algorithm;
-use outbox_relay::consumer::example::{self, ExampleConfig, ExampleConsumer, SubjectCheck};
-use outbox_relay::consumer::idempotent::{consume_once, prune_processed, ConsumeError, Consumed};
-use outbox_relay::consumer::qstash::{Clock, SignatureError, Verifier};
-use outbox_relay::consumer::webhooks::{WebhookError, WebhookVerifier};
+use outbox_client::consumer::idempotent::{consume_once, prune_processed, ConsumeError, Consumed};
+use outbox_client::consumer::qstash::{Clock, SignatureError, Verifier};
+use outbox_client::consumer::webhooks::{WebhookError, WebhookVerifier};
+use outbox_client::{enqueue, NewEvent};
 use outbox_relay::server::callback::{failure_callback_router, CallbackOptions};
-use outbox_relay::{enqueue, NewEvent};
 use outbox_testkit::TestDb;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
@@ -389,9 +393,9 @@ fn webhook_signed_by_the_official_crate_verifies_with_ours() {
 
 #[test]
 fn webhook_signed_by_our_sink_verifies_with_the_official_crate() {
-    let key = outbox_relay::sink::webhook::decode_secret(WH_SECRET).unwrap();
+    let key = outbox_client::signing::decode_secret(WH_SECRET).unwrap();
     let ts = now();
-    let signature = outbox_relay::sink::webhook::sign(&key, "msg_2", ts, BODY);
+    let signature = outbox_client::signing::sign(&key, "msg_2", ts, BODY);
     let theirs = standardwebhooks::Webhook::new(WH_SECRET).unwrap();
     theirs
         .verify(BODY, &wh_headers("msg_2", ts, &signature))
@@ -535,7 +539,7 @@ fn webhook_tampered_body_missing_and_garbage_headers() {
 
 // ───────────────────────────── consume_once ─────────────────────────────
 
-async fn setup_db() -> (TestDb, outbox_relay::db::Pool) {
+async fn setup_db() -> (TestDb, outbox_relay::store::Pool) {
     let db = common::test_db().await;
     let pool = common::pool(&db, 12);
     let conn = pool.get().await.unwrap();
@@ -546,7 +550,7 @@ async fn setup_db() -> (TestDb, outbox_relay::db::Pool) {
     (db, pool)
 }
 
-async fn scalar(pool: &outbox_relay::db::Pool, sql: &str) -> i64 {
+async fn scalar(pool: &outbox_relay::store::Pool, sql: &str) -> i64 {
     pool.get()
         .await
         .unwrap()
@@ -568,8 +572,9 @@ async fn consume_once_runs_the_work_once_for_concurrent_duplicates() {
     for _ in 0..8 {
         let (pool, runs, start) = (pool.clone(), runs.clone(), start.clone());
         tasks.push(tokio::spawn(async move {
+            let mut conn = pool.get().await.unwrap();
             start.wait().await;
-            consume_once(&pool, "billing", "msg-1", move |tx| {
+            consume_once(&mut *conn, "billing", "msg-1", move |tx| {
                 Box::pin(async move {
                     runs.fetch_add(1, Ordering::SeqCst);
                     tx.execute(
@@ -599,7 +604,8 @@ async fn consume_once_runs_the_work_once_for_concurrent_duplicates() {
         1
     );
     // Another consumer has its own namespace.
-    let other = consume_once(&pool, "shipping", "msg-1", |_tx| {
+    let mut conn = pool.get().await.unwrap();
+    let other = consume_once(&mut *conn, "shipping", "msg-1", |_tx| {
         Box::pin(async { Ok::<_, Boom>("shipped") })
     })
     .await
@@ -609,7 +615,7 @@ async fn consume_once_runs_the_work_once_for_concurrent_duplicates() {
 
 /// Polls until `sql` counts at least one row; the condition, not a delay,
 /// is what the test waits for.
-async fn until_some(pool: &outbox_relay::db::Pool, what: &str, sql: &str) {
+async fn until_some(pool: &outbox_relay::store::Pool, what: &str, sql: &str) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while scalar(pool, sql).await == 0 {
         assert!(tokio::time::Instant::now() < deadline, "never saw: {what}");
@@ -626,7 +632,8 @@ async fn a_second_delivery_waits_for_the_first_and_runs_only_if_it_failed() {
         let first = {
             let (pool, id) = (pool.clone(), id.clone());
             tokio::spawn(async move {
-                consume_once(&pool, "billing", &id, move |_tx| {
+                let mut conn = pool.get().await.unwrap();
+                consume_once(&mut *conn, "billing", &id, move |_tx| {
                     Box::pin(async move {
                         released.await.unwrap();
                         if first_fails {
@@ -651,7 +658,8 @@ async fn a_second_delivery_waits_for_the_first_and_runs_only_if_it_failed() {
         let second = {
             let (pool, id) = (pool.clone(), id.clone());
             tokio::spawn(async move {
-                consume_once(&pool, "billing", &id, |_tx| {
+                let mut conn = pool.get().await.unwrap();
+                consume_once(&mut *conn, "billing", &id, |_tx| {
                     Box::pin(async { Ok::<_, Boom>("second") })
                 })
                 .await
@@ -680,7 +688,8 @@ async fn a_second_delivery_waits_for_the_first_and_runs_only_if_it_failed() {
 #[tokio::test]
 async fn failing_work_leaves_no_dedupe_row_and_the_retry_runs() {
     let (_db, pool) = setup_db().await;
-    let failed = consume_once(&pool, "billing", "msg-9", |tx| {
+    let mut conn = pool.get().await.unwrap();
+    let failed = consume_once(&mut *conn, "billing", "msg-9", |tx| {
         Box::pin(async move {
             tx.execute(
                 "INSERT INTO side_effects VALUES ('msg-9', 'half done')",
@@ -698,7 +707,7 @@ async fn failing_work_leaves_no_dedupe_row_and_the_retry_runs() {
         0
     );
     assert_eq!(scalar(&pool, "SELECT count(*) FROM side_effects").await, 0);
-    let retried = consume_once(&pool, "billing", "msg-9", |tx| {
+    let retried = consume_once(&mut *conn, "billing", "msg-9", |tx| {
         Box::pin(async move {
             tx.execute("INSERT INTO side_effects VALUES ('msg-9', 'done')", &[])
                 .await
@@ -712,7 +721,7 @@ async fn failing_work_leaves_no_dedupe_row_and_the_retry_runs() {
         1
     );
     // A failing SQL statement inside the work is a work error too.
-    let bad_sql = consume_once(&pool, "billing", "msg-10", |tx| {
+    let bad_sql = consume_once(&mut *conn, "billing", "msg-10", |tx| {
         Box::pin(async move {
             tx.execute("INSERT INTO no_such_table VALUES (1)", &[])
                 .await
@@ -730,6 +739,87 @@ async fn failing_work_leaves_no_dedupe_row_and_the_retry_runs() {
     );
 }
 
+/// Given the caller's open transaction, the dedupe row and the work go into a
+/// savepoint: they commit or roll back with the caller's transaction, and a
+/// failed work leaves that transaction usable.
+#[tokio::test]
+async fn consume_once_in_the_callers_transaction_commits_and_rolls_back_with_it() {
+    async fn record(
+        tx: &tokio_postgres::Transaction<'_>,
+        note: &str,
+    ) -> Result<u64, tokio_postgres::Error> {
+        tx.execute("INSERT INTO side_effects VALUES ('msg-tx', $1)", &[&note])
+            .await
+    }
+    let (_db, pool) = setup_db().await;
+    let mut conn = pool.get().await.unwrap();
+    let mut tx = conn.transaction().await.unwrap();
+    record(&tx, "the caller's own write").await.unwrap();
+    let done = consume_once(&mut tx, "billing", "msg-tx", |tx| {
+        Box::pin(record(tx, "work"))
+    })
+    .await
+    .unwrap();
+    assert_eq!(done, Consumed::Processed(1));
+    let again = consume_once(&mut tx, "billing", "msg-tx", |_tx| {
+        Box::pin(async { Ok::<_, Boom>(()) })
+    })
+    .await
+    .unwrap();
+    assert_eq!(again, Consumed::Duplicate);
+    let failed = consume_once(&mut tx, "billing", "msg-tx-2", |tx| {
+        Box::pin(async move {
+            record(tx, "half done").await.unwrap();
+            Err::<(), _>(Boom)
+        })
+    })
+    .await;
+    assert!(matches!(failed, Err(ConsumeError::Work(Boom))));
+    let inside: (i64, i64) = {
+        let row = tx
+            .query_one(
+                "SELECT (SELECT count(*) FROM side_effects), (SELECT count(*) FROM processed_messages)",
+                &[],
+            )
+            .await
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    assert_eq!(
+        inside,
+        (2, 1),
+        "the failed work's savepoint is gone, the rest is there"
+    );
+    assert_eq!(
+        scalar(&pool, "SELECT count(*) FROM processed_messages").await,
+        0,
+        "nothing is visible before the caller commits"
+    );
+    tx.rollback().await.unwrap();
+    assert_eq!(
+        scalar(&pool, "SELECT count(*) FROM processed_messages").await,
+        0
+    );
+    assert_eq!(scalar(&pool, "SELECT count(*) FROM side_effects").await, 0);
+
+    // The caller's rollback took the dedupe row with it: the redelivery runs.
+    let mut tx = conn.transaction().await.unwrap();
+    let redelivered = consume_once(&mut tx, "billing", "msg-tx", |tx| {
+        Box::pin(record(tx, "work"))
+    })
+    .await
+    .unwrap();
+    assert_eq!(redelivered, Consumed::Processed(1));
+    tx.commit().await.unwrap();
+    assert_eq!(scalar(&pool, "SELECT count(*) FROM side_effects").await, 1);
+    let later = consume_once(&mut *conn, "billing", "msg-tx", |_tx| {
+        Box::pin(async { Ok::<_, Boom>(()) })
+    })
+    .await
+    .unwrap();
+    assert_eq!(later, Consumed::Duplicate);
+}
+
 #[tokio::test]
 async fn prune_deletes_only_rows_past_the_ttl_in_batches() {
     let (_db, pool) = setup_db().await;
@@ -744,7 +834,8 @@ async fn prune_deletes_only_rows_past_the_ttl_in_batches() {
         )
         .await
         .unwrap();
-    let deleted = prune_processed(&pool, Duration::from_secs(24 * 3600), 10)
+    let conn = pool.get().await.unwrap();
+    let deleted = prune_processed(&conn, Duration::from_secs(24 * 3600), 10)
         .await
         .unwrap();
     assert_eq!(deleted, 25);
@@ -761,13 +852,13 @@ async fn prune_deletes_only_rows_past_the_ttl_in_batches() {
         5
     );
     assert_eq!(
-        prune_processed(&pool, Duration::from_secs(24 * 3600), 10)
+        prune_processed(&conn, Duration::from_secs(24 * 3600), 10)
             .await
             .unwrap(),
         0
     );
     assert_eq!(
-        prune_processed(&pool, Duration::from_secs(60), 2)
+        prune_processed(&conn, Duration::from_secs(60), 2)
             .await
             .unwrap(),
         5
@@ -844,7 +935,7 @@ fn sign_for(key: &str, url: &str, body: &[u8]) -> String {
     )
 }
 
-async fn example_server() -> (TestDb, outbox_relay::db::Pool, Server) {
+async fn example_server() -> (TestDb, outbox_relay::store::Pool, Server) {
     let (db, pool) = setup_db().await;
     example::prepare(&pool).await.unwrap();
     let consumer = ExampleConsumer {
@@ -1048,7 +1139,7 @@ async fn example_consumer_answers_5xx_when_the_work_fails_and_processes_the_retr
 
 // ───────────────────────────── failure callback ─────────────────────────────
 
-async fn published_row(pool: &outbox_relay::db::Pool, key: &str) -> i64 {
+async fn published_row(pool: &outbox_relay::store::Pool, key: &str) -> i64 {
     let mut conn = pool.get().await.unwrap();
     let tx = conn.transaction().await.unwrap();
     let event = NewEvent::new(
@@ -1060,7 +1151,7 @@ async fn published_row(pool: &outbox_relay::db::Pool, key: &str) -> i64 {
         key,
     );
     let id = match enqueue(&tx, &event).await.unwrap() {
-        outbox_relay::Enqueued::New { id } => id,
+        outbox_client::Enqueued::New { id } => id,
         other => panic!("{other:?}"),
     };
     tx.commit().await.unwrap();
@@ -1092,7 +1183,7 @@ fn failure_report(source_headers: Value, source_body: &[u8]) -> Vec<u8> {
     .unwrap()
 }
 
-async fn row_state(pool: &outbox_relay::db::Pool, id: i64) -> (bool, Option<String>, bool) {
+async fn row_state(pool: &outbox_relay::store::Pool, id: i64) -> (bool, Option<String>, bool) {
     let row = pool
         .get()
         .await
@@ -1117,7 +1208,7 @@ async fn report_to(server: &Server, key: &str, report: &[u8]) -> Reply {
     .await
 }
 
-async fn callback_server() -> (TestDb, outbox_relay::db::Pool, Server) {
+async fn callback_server() -> (TestDb, outbox_relay::store::Pool, Server) {
     callback_server_with(CallbackOptions::new([CALLBACK_URL])).await
 }
 
@@ -1261,11 +1352,10 @@ async fn failure_callback_ignores_a_late_report_on_a_replayed_row() {
         ids: vec![id],
         ..Default::default()
     };
-    let mut conn = pool.get().await.unwrap();
-    let replayed = outbox_relay::cli::dlq::replay(&mut conn, &selector)
+    let replayed = outbox_relay::store::Store::with_pool(pool.clone())
+        .replay_dead(&selector.selection())
         .await
         .unwrap();
-    drop(conn);
     assert_eq!(replayed.len(), 1);
     pool.get()
         .await
@@ -1291,10 +1381,10 @@ async fn failure_callback_ignores_a_late_report_on_a_replayed_row() {
 
 async fn callback_server_with(
     options: CallbackOptions,
-) -> (TestDb, outbox_relay::db::Pool, Server) {
+) -> (TestDb, outbox_relay::store::Pool, Server) {
     let (db, pool) = setup_db().await;
     let server = serve(failure_callback_router(
-        pool.clone(),
+        outbox_relay::store::Store::with_pool(pool.clone()),
         Verifier::new(CURRENT, Some(NEXT)),
         options,
     ))
@@ -1487,7 +1577,7 @@ async fn guarded_callback_server(
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let (addr, _task) = outbox_relay::server::callback::serve(
         "127.0.0.1:0".parse().unwrap(),
-        pool,
+        outbox_relay::store::Store::with_pool(pool),
         Verifier::new(CURRENT, Some(NEXT)),
         options,
         async {

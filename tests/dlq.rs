@@ -6,8 +6,9 @@ mod common;
 use std::process::{Command, ExitCode};
 
 use clap::Parser;
-use outbox_relay::cli::dlq::{self, DlqCommand, DlqError, Selector};
-use outbox_relay::{enqueue, Enqueued, NewEvent};
+use outbox_client::{enqueue, Enqueued, NewEvent};
+use outbox_relay::cli::dlq::{self, DlqCommand, Selector};
+use outbox_relay::store::{Store, StoreError};
 use outbox_testkit::TestDb;
 use serde_json::{json, Value};
 use tokio_postgres::Client;
@@ -96,9 +97,13 @@ async fn setup() -> (TestDb, Client, Rows) {
     (db, client, rows)
 }
 
-async fn run(client: &mut Client, args: &[&str]) -> (ExitCode, String) {
+fn store(db: &TestDb) -> Store {
+    Store::for_command(&db.url).unwrap()
+}
+
+async fn run(store: &Store, args: &[&str]) -> (ExitCode, String) {
     let mut out = Vec::new();
-    let code = dlq::execute(parse(args).unwrap(), client, &mut out)
+    let code = dlq::execute(parse(args).unwrap(), store, &mut out)
         .await
         .unwrap();
     (code, String::from_utf8(out).unwrap())
@@ -122,8 +127,9 @@ async fn state(client: &Client, id: i64) -> Value {
 
 #[tokio::test]
 async fn list_shows_dead_rows_newest_first_with_filters() {
-    let (_db, mut client, rows) = setup().await;
-    let all = dlq::list(&client, None, None, 100).await.unwrap();
+    let (db, _client, rows) = setup().await;
+    let store = store(&db);
+    let all = store.dead_letters(None, None, 100).await.unwrap();
     let ids: Vec<i64> = all.iter().map(|r| r.id).collect();
     assert_eq!(ids, vec![rows.new_dead, rows.payment_dead, rows.old_dead]);
     assert_eq!(all[0].event_type, "order.failed");
@@ -134,24 +140,26 @@ async fn list_shows_dead_rows_newest_first_with_filters() {
         Some("status 400:\nbad request")
     );
 
-    let orders = dlq::list(&client, Some("order.failed"), None, 100)
+    let orders = store
+        .dead_letters(Some("order.failed"), None, 100)
         .await
         .unwrap();
     assert_eq!(
         orders.iter().map(|r| r.id).collect::<Vec<_>>(),
         vec![rows.new_dead, rows.old_dead]
     );
-    let recent = dlq::list(&client, None, Some(dlq::parse_time("2h").unwrap()), 100)
+    let recent = store
+        .dead_letters(None, Some(dlq::parse_time("2h").unwrap()), 100)
         .await
         .unwrap();
     assert_eq!(
         recent.iter().map(|r| r.id).collect::<Vec<_>>(),
         vec![rows.new_dead, rows.payment_dead]
     );
-    assert_eq!(dlq::list(&client, None, None, 1).await.unwrap().len(), 1);
+    assert_eq!(store.dead_letters(None, None, 1).await.unwrap().len(), 1);
 
     // Human output: one aligned table, errors on one line.
-    let (_, text) = run(&mut client, &["list"]).await;
+    let (_, text) = run(&store, &["list"]).await;
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(lines.len(), 4, "{text}");
     let error_column = lines[0].find("LAST ERROR").unwrap();
@@ -164,7 +172,7 @@ async fn list_shows_dead_rows_newest_first_with_filters() {
 
     // JSON output, filtered through the command line.
     let (_, text) = run(
-        &mut client,
+        &store,
         &["list", "--event-type", "payment.failed", "--json"],
     )
     .await;
@@ -177,8 +185,9 @@ async fn list_shows_dead_rows_newest_first_with_filters() {
 
 #[tokio::test]
 async fn show_prints_the_whole_row() {
-    let (_db, mut client, rows) = setup().await;
-    let (_, text) = run(&mut client, &["show", &rows.old_dead.to_string()]).await;
+    let (db, _client, rows) = setup().await;
+    let store = store(&db);
+    let (_, text) = run(&store, &["show", &rows.old_dead.to_string()]).await;
     for column in [
         "tenant_id",
         "idempotency_key",
@@ -194,25 +203,26 @@ async fn show_prints_the_whole_row() {
     assert!(text.contains("status 410: gone"));
     // The payload is pretty-printed over several lines.
     assert!(text.contains("\"sku\": \"A\""), "{text}");
-    let (_, text) = run(&mut client, &["show", &rows.old_dead.to_string(), "--json"]).await;
+    let (_, text) = run(&store, &["show", &rows.old_dead.to_string(), "--json"]).await;
     let json: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(json["id"], json!(rows.old_dead));
     assert_eq!(json["payload"]["lines"][0]["qty"], json!(2));
     assert_eq!(json["idempotency_key"], json!("k-old"));
     assert!(matches!(
-        dlq::show(&client, 123_456).await,
-        Err(DlqError::NotFound(123_456))
+        store.row_columns(123_456).await,
+        Err(StoreError::NotFound(why)) if why == "no outbox row 123456"
     ));
 }
 
 #[tokio::test]
 async fn replay_resets_rows_to_pending_with_new_unique_keys() {
-    let (_db, mut client, rows) = setup().await;
+    let (db, client, rows) = setup().await;
+    let store = store(&db);
     let selector = Selector {
         ids: vec![rows.old_dead, rows.pending, rows.published],
         ..Selector::default()
     };
-    let replayed = dlq::replay(&mut client, &selector).await.unwrap();
+    let replayed = store.replay_dead(&selector.selection()).await.unwrap();
     // Only the dead row among them.
     assert_eq!(replayed.len(), 1);
     assert_eq!(replayed[0].id, rows.old_dead);
@@ -233,12 +243,12 @@ async fn replay_resets_rows_to_pending_with_new_unique_keys() {
 
     // Dead again, replayed again: the count goes up from the original key.
     kill(&client, rows.old_dead, "1 minute", "again").await;
-    let again = dlq::replay(&mut client, &selector).await.unwrap();
+    let again = store.replay_dead(&selector.selection()).await.unwrap();
     assert_eq!(again[0].idempotency_key, "k-old:replay:2");
 
     // By event type and time window, through the command line.
     let (_, text) = run(
-        &mut client,
+        &store,
         &[
             "replay",
             "--event-type",
@@ -253,13 +263,14 @@ async fn replay_resets_rows_to_pending_with_new_unique_keys() {
     assert_eq!(json["replayed"], json!(1));
     assert_eq!(json["rows"][0]["id"], json!(rows.new_dead));
     assert_eq!(json["rows"][0]["idempotency_key"], json!("k-new:replay:1"));
-    let (_, text) = run(&mut client, &["replay", "--all"]).await;
+    let (_, text) = run(&store, &["replay", "--all"]).await;
     assert_eq!(text, "replayed 1 dead-lettered rows\n");
     assert_eq!(
         state(&client, rows.payment_dead).await["key"],
         json!("k-pay:replay:1")
     );
-    assert!(dlq::list(&client, None, None, 100)
+    assert!(store
+        .dead_letters(None, None, 100)
         .await
         .unwrap()
         .is_empty());
@@ -278,18 +289,20 @@ async fn replay_resets_rows_to_pending_with_new_unique_keys() {
 
 #[tokio::test]
 async fn replay_skips_a_derived_key_that_is_already_taken() {
-    let (_db, mut client, rows) = setup().await;
+    let (db, mut client, rows) = setup().await;
+    let store = store(&db);
     // A producer already used the key a replay would derive.
     let squatter = insert(&mut client, "k-old:replay:1", "order.failed").await;
-    let replayed = dlq::replay(
-        &mut client,
-        &Selector {
-            all: true,
-            ..Selector::default()
-        },
-    )
-    .await
-    .unwrap();
+    let replayed = store
+        .replay_dead(
+            &Selector {
+                all: true,
+                ..Selector::default()
+            }
+            .selection(),
+        )
+        .await
+        .unwrap();
     let keys: Vec<(i64, &str)> = replayed
         .iter()
         .map(|r| (r.id, r.idempotency_key.as_str()))
@@ -311,18 +324,19 @@ async fn replay_skips_a_derived_key_that_is_already_taken() {
 
 #[tokio::test]
 async fn replay_and_purge_need_a_selector() {
-    let (_db, mut client, _rows) = setup().await;
+    let (db, _client, _rows) = setup().await;
+    let store = store(&db);
     for args in [&["replay"][..], &["purge", "--yes"], &["replay", "--json"]] {
         assert!(parse(args).is_err(), "{args:?} parsed");
     }
     assert!(parse(&["replay", "--id", "1", "--id", "2"]).is_ok());
     assert!(matches!(
-        dlq::replay(&mut client, &Selector::default()).await,
-        Err(DlqError::NoSelector)
+        store.replay_dead(&Selector::default().selection()).await,
+        Err(StoreError::Refused(why)) if why.starts_with("choose the rows")
     ));
     assert!(matches!(
-        dlq::purge(&mut client, &Selector::default()).await,
-        Err(DlqError::NoSelector)
+        store.purge_dead(&Selector::default().selection()).await,
+        Err(StoreError::Refused(why)) if why.starts_with("choose the rows")
     ));
     assert!(parse(&["list", "--since", "last tuesday"]).is_err());
 }

@@ -7,8 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{config, count, insert_events, pending, wait_until, QSTASH_ROUTE};
+use outbox_client::{enqueue, NewEvent};
 use outbox_relay::actors::Hooks;
-use outbox_relay::{enqueue, NewEvent, Relay};
+use outbox_relay::Relay;
 use outbox_testkit::sink::Reply;
 use outbox_testkit::TestDb;
 use serde_json::json;
@@ -87,7 +88,7 @@ async fn qstash_headers_are_those_the_official_sdk_sends() {
     .await
     .unwrap();
     tx.commit().await.unwrap();
-    let outbox_relay::Enqueued::New { id } = created else {
+    let outbox_client::Enqueued::New { id } = created else {
         panic!()
     };
     let relay = Relay::start(cfg).await.unwrap();
@@ -367,7 +368,7 @@ async fn ordered_keys_hold_back_behind_a_failing_event_and_others_flow() {
             events.push(common::event(round * 10 + k, &format!("order:k{k}")));
         }
     }
-    outbox_relay::enqueue_many(&tx, &events).await.unwrap();
+    outbox_client::enqueue_many(&tx, &events).await.unwrap();
     tx.commit().await.unwrap();
     sink.set_rule(|m| {
         if m.dedup_id == "evt-1000" && m.attempt < 2 {
@@ -510,7 +511,7 @@ async fn recovers_when_its_database_connections_are_terminated() {
     let events: Vec<_> = (5000..5200)
         .map(|i| common::event(i, &format!("order:k{}", i % 20)))
         .collect();
-    outbox_relay::enqueue_many(&tx, &events).await.unwrap();
+    outbox_client::enqueue_many(&tx, &events).await.unwrap();
     tx.commit().await.unwrap();
     assert!(
         wait_until(DRAIN_LIMIT, || async { pending(&db).await == 0 }).await,
@@ -586,7 +587,8 @@ async fn webhook_routes_post_signed_events_and_retry_themselves() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replayed_dead_letters_are_published_again_with_new_dedup_ids() {
-    use outbox_relay::cli::dlq::{replay, Selector};
+    use outbox_relay::store::dead_letters::Selection;
+    use outbox_relay::store::Store;
     let db = common::test_db().await;
     let sink = common::start_sink().await;
     // The destination rejects everything at first.
@@ -606,16 +608,14 @@ async fn replayed_dead_letters_are_published_again_with_new_dedup_ids() {
     );
     // Fixed now; the operator replays every dead letter while the relay runs.
     sink.set_rule(|_| Reply::Accept);
-    let mut client = db.client().await.unwrap();
-    let replayed = replay(
-        &mut client,
-        &Selector {
+    let replayed = Store::for_command(&db.url)
+        .unwrap()
+        .replay_dead(&Selection {
             all: true,
             ..Default::default()
-        },
-    )
-    .await
-    .unwrap();
+        })
+        .await
+        .unwrap();
     assert_eq!(replayed.len(), 5);
     assert!(
         wait_until(DRAIN_LIMIT, || async {
@@ -653,8 +653,10 @@ async fn the_shard_count_is_the_databases_and_reshard_changes_it() {
         text.contains("relay.shards") && text.contains("sharded 8 ways"),
         "{text}"
     );
-    let mut client = db.client().await.unwrap();
-    let rewritten = outbox_relay::ops::shards::reshard(&mut client, 3)
+    let client = db.client().await.unwrap();
+    let rewritten = outbox_relay::store::Store::for_command(&db.url)
+        .unwrap()
+        .reshard(3)
         .await
         .unwrap();
     assert_eq!(rewritten, 300);
@@ -679,7 +681,7 @@ async fn insert_events_from(db: &TestDb, start: usize, n: usize) {
     let events: Vec<_> = (start..start + n)
         .map(|i| common::event(i, &format!("order:k{}", i % 50)))
         .collect();
-    outbox_relay::enqueue_many(&tx, &events).await.unwrap();
+    outbox_client::enqueue_many(&tx, &events).await.unwrap();
     tx.commit().await.unwrap();
     assert_eq!(
         count(db, "SELECT count(*) FROM outbox WHERE shard >= 3").await,

@@ -4,9 +4,9 @@ mod common;
 
 use std::process::Command;
 
+use outbox_client::{enqueue, enqueue_many, EnqueueError, Enqueued, NewEvent};
 use outbox_relay::config::Config;
-use outbox_relay::db::migrate;
-use outbox_relay::{enqueue, enqueue_many, EnqueueError, Enqueued, NewEvent};
+use outbox_relay::store::migrate;
 use outbox_testkit::TestDb;
 use serde_json::json;
 use uuid::Uuid;

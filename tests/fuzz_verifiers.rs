@@ -19,8 +19,8 @@ mod common;
 
 use common::jwt;
 use jsonwebtoken::Algorithm;
-use outbox_relay::consumer::qstash::{Clock, Verifier};
-use outbox_relay::consumer::webhooks::WebhookVerifier;
+use outbox_client::consumer::qstash::{Clock, Verifier};
+use outbox_client::consumer::webhooks::WebhookVerifier;
 use outbox_relay::server::callback::parse_failure_report;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
@@ -322,7 +322,7 @@ fn webhook_mutated_requests_are_accepted_only_unchanged() {
         .unwrap()
         .with_clock(Clock::fixed(NOW));
     let theirs = standardwebhooks::Webhook::new(WH_SECRET).unwrap();
-    let key = outbox_relay::sink::webhook::decode_secret(WH_SECRET).unwrap();
+    let key = outbox_client::signing::decode_secret(WH_SECRET).unwrap();
     fuzz(
         "webhook mutated requests",
         (
@@ -343,7 +343,7 @@ fn webhook_mutated_requests_are_accepted_only_unchanged() {
                 .verify_parts(&id, &ts.to_string(), &official, &body)
                 .is_ok());
             let real_now = chrono::Utc::now().timestamp() + skew;
-            let by_sink = outbox_relay::sink::webhook::sign(&key, &id, real_now, &body);
+            let by_sink = outbox_client::signing::sign(&key, &id, real_now, &body);
             let headers = wh_headers(&id, &real_now.to_string(), &by_sink).unwrap();
             prop_assert!(theirs.verify(&body, &headers).is_ok());
 

@@ -16,8 +16,8 @@ use std::time::Duration;
 use common::{count, event, insert_events, pending, wait_until};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use outbox_relay::ops::metric_names as names;
-use outbox_relay::{enqueue_many, NewEvent};
+use outbox_client::{enqueue_many, NewEvent};
+use outbox_relay::metrics::names;
 use outbox_testkit::sink::{Received, Reply, Sink, SinkConfig, SinkHandle};
 use outbox_testkit::TestDb;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -1069,7 +1069,7 @@ async fn a_scheduled_event_is_not_lag() {
 /// The age behind the gauge and `/readyz`, row kind by row kind.
 #[tokio::test]
 async fn the_oldest_pending_age_counts_from_when_a_row_became_deliverable() {
-    use outbox_relay::ops::stats::snapshot;
+    use outbox_relay::store::stats::snapshot;
     let db = common::test_db().await;
     let client = db.client().await.unwrap();
     // created, available (both seconds from now), attempt_count

@@ -9,9 +9,10 @@ use std::time::Duration;
 
 use chrono::{DateTime, Timelike, Utc};
 use outbox_relay::config::{Config, JanitorConfig};
-use outbox_relay::ops::partitions::{self, MaintainOptions, PartitionAction};
-use outbox_relay::ops::prune::{self, run_janitor, run_janitor_observed, PruneOptions};
-use outbox_relay::ops::stats::{self, snapshot};
+use outbox_relay::janitor::{run_janitor, run_janitor_observed};
+use outbox_relay::store::partitions::{self, MaintainOptions, PartitionAction};
+use outbox_relay::store::retention::{self as prune, PruneOptions};
+use outbox_relay::store::stats::{self, snapshot};
 use outbox_testkit::TestDb;
 use serde_json::Value;
 use tokio_postgres::Client;
@@ -506,7 +507,7 @@ async fn janitor_prunes_at_start_and_stops_on_shutdown() {
     let (passes_tx, mut passes) = tokio::sync::mpsc::unbounded_channel();
     // An hour between passes: only the pass at start can happen in this test.
     let janitor = tokio::spawn(run_janitor_observed(
-        common::pool(&db, 2),
+        outbox_relay::store::Store::with_pool(common::pool(&db, 2)),
         janitor_config(Duration::from_secs(3600)),
         async {
             let _ = stopped.await;
@@ -555,7 +556,7 @@ async fn janitor_repeats_every_interval_and_survives_errors() {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let (passes_tx, mut passes) = tokio::sync::mpsc::unbounded_channel();
     let janitor = tokio::spawn(run_janitor_observed(
-        common::pool(&db, 2),
+        outbox_relay::store::Store::with_pool(common::pool(&db, 2)),
         janitor_config(Duration::from_millis(20)),
         async {
             let _ = stopped.await;
@@ -591,14 +592,14 @@ async fn a_disabled_janitor_returns_at_once() {
     let summary = tokio::time::timeout(
         PATIENCE,
         run_janitor(
-            common::pool(&db, 1),
+            outbox_relay::store::Store::with_pool(common::pool(&db, 1)),
             JanitorConfig::default(),
             std::future::pending(),
         ),
     )
     .await
     .expect("disabled means no loop");
-    assert_eq!(summary, prune::JanitorSummary::default());
+    assert_eq!(summary, outbox_relay::janitor::JanitorSummary::default());
 }
 
 #[test]
@@ -777,7 +778,7 @@ async fn partitioned_outbox_claims_dedupes_prunes_and_drops_old_partitions() {
     {
         let mut producer = db.client().await.unwrap();
         let tx = producer.transaction().await.unwrap();
-        let fresh = outbox_relay::NewEvent::new(
+        let fresh = outbox_client::NewEvent::new(
             uuid::Uuid::nil(),
             "order",
             "p",
@@ -785,12 +786,12 @@ async fn partitioned_outbox_claims_dedupes_prunes_and_drops_old_partitions() {
             serde_json::json!({}),
             "k-producer",
         );
-        assert!(outbox_relay::enqueue(&tx, &fresh).await.unwrap().is_new());
+        assert!(outbox_client::enqueue(&tx, &fresh).await.unwrap().is_new());
         let mut repeat = fresh.clone();
         repeat.idempotency_key = "k-10".into();
         assert_eq!(
-            outbox_relay::enqueue(&tx, &repeat).await.unwrap(),
-            outbox_relay::Enqueued::Duplicate
+            outbox_client::enqueue(&tx, &repeat).await.unwrap(),
+            outbox_client::Enqueued::Duplicate
         );
         tx.rollback().await.unwrap();
     }

@@ -1,7 +1,7 @@
 //! The dashboard and the alert rules in `config/` name only metrics the relay
-//! exports (`ops::metric_names`), and every alert is complete.
+//! exports (`metrics::names`), and every alert is complete.
 
-use outbox_relay::ops::metric_names::{is_known_series, HISTOGRAMS, METRIC_NAMES};
+use outbox_relay::metrics::names::{is_known_series, HISTOGRAMS, METRIC_NAMES};
 use serde_json::Value;
 
 fn read(path: &str) -> String {

@@ -7,8 +7,9 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use common::{config, count, pending, wait_until};
+use outbox_client::{enqueue_many, NewEvent};
 use outbox_relay::config::PublishMode;
-use outbox_relay::{enqueue_many, NewEvent, Relay};
+use outbox_relay::Relay;
 use outbox_testkit::TestDb;
 use serde_json::json;
 use uuid::Uuid;

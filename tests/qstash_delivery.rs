@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::{config, count, insert_events, wait_until};
-use outbox_relay::consumer::qstash::Verifier;
+use outbox_client::consumer::qstash::Verifier;
 use outbox_relay::server::callback::{self, CallbackOptions};
 use outbox_relay::Relay;
 use outbox_testkit::sink::{
@@ -45,7 +45,7 @@ async fn a_delivery_that_fails_every_retry_comes_back_as_a_dead_letter() {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let _server = callback::serve(
         callback_addr,
-        common::pool(&db, 2),
+        outbox_relay::store::Store::with_pool(common::pool(&db, 2)),
         Verifier::new(DEV_CURRENT_SIGNING_KEY, Some(DEV_NEXT_SIGNING_KEY)),
         CallbackOptions::new([callback_url.clone()]),
         async {

@@ -12,14 +12,13 @@ use std::time::{Duration, Instant};
 use common::BIN;
 use common::{config_toml, count, insert_events, pending, wait_until};
 use nix::sys::signal::Signal;
-use outbox_relay::actors::claimer::{no_cursor, CLAIM_SQL, CLAIM_TYPES};
-use outbox_relay::actors::coordinator::seize_shard;
-use outbox_relay::actors::marker::{MARK_SQL, MARK_TYPES};
+use outbox_relay::store::outbox::{no_cursor, ClaimScope, Held, Write};
+use outbox_relay::store::{Fence, ShardId, Store, StoreError};
 use outbox_testkit::relay::{Output, RelayProcess};
 use outbox_testkit::sink::{Received, SinkHandle};
 use outbox_testkit::TestDb;
 
-const SHARDS: i32 = 16;
+const SHARDS: u32 = 16;
 
 const ORDERED_ROUTE: &str = r#"
 [[routes]]
@@ -166,11 +165,12 @@ async fn wait_split(db: &TestDb, names: &[&str], limit: Duration) {
     );
 }
 
+fn store(db: &TestDb) -> Store {
+    Store::for_command(&db.url).unwrap()
+}
+
 async fn reshard(db: &TestDb) {
-    let mut client = db.client().await.unwrap();
-    outbox_relay::ops::shards::reshard(&mut client, SHARDS)
-        .await
-        .unwrap();
+    store(db).reshard(SHARDS).await.unwrap();
 }
 
 /// Live shard leases by owner.
@@ -267,13 +267,9 @@ async fn three_replicas_split_sixteen_shards_and_deliver_everything_in_order() {
         assert!(acquired >= owned, "{}: handovers {acquired}", r.name);
     }
     // Resharding under running replicas is refused.
-    let mut client = db.client().await.unwrap();
-    let refused = outbox_relay::ops::shards::reshard(&mut client, 4).await;
+    let refused = store(&db).reshard(4).await;
     assert!(
-        matches!(
-            refused,
-            Err(outbox_relay::ops::shards::ReshardError::RelaysRunning(_))
-        ),
+        matches!(&refused, Err(StoreError::Refused(why)) if why.contains("relays are running")),
         "{refused:?}"
     );
     // `stats` shows the replicas and what each holds.
@@ -487,47 +483,52 @@ async fn a_replica_joining_mid_drain_takes_shards_without_a_pause_in_delivery() 
 
 /// The relay's claim and mark statements, run by hand on one shard.
 struct ByHand {
-    client: tokio_postgres::Client,
-    claim: tokio_postgres::Statement,
-    mark: tokio_postgres::Statement,
-    shard: i16,
+    store: Store,
+    shard: ShardId,
 }
 
 impl ByHand {
     /// Up to 10 rows under `token`; `(id, attempt)` each.
     async fn claim(&self, token: i64) -> Vec<(i64, i32)> {
-        let (after, after_id) = no_cursor();
-        self.client
-            .query(
-                &self.claim,
-                &[&10i64, &60_000i64, &self.shard, &after, &after_id, &token],
-            )
+        let scope = ClaimScope {
+            fence: Fence {
+                shard: self.shard,
+                token,
+            },
+            lease: Duration::from_secs(60),
+            ordered: &[],
+        };
+        self.store
+            .session()
+            .claim_due(&scope, no_cursor(), 10)
             .await
             .unwrap()
             .iter()
-            .map(|r| (r.get(0), r.get(10)))
+            .map(|c| (c.row.id, c.row.attempt))
             .collect()
     }
 
     /// Marks `rows` published under `token`; how many the database took.
     async fn publish(&self, rows: &[(i64, i32)], token: i64) -> usize {
-        let n = rows.len();
-        let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
-        let attempts: Vec<i32> = rows.iter().map(|r| r.1).collect();
-        let (kinds, delays, errors, tokens) = (
-            vec![1i16; n],
-            vec![0i64; n],
-            vec![None::<&str>; n],
-            vec![token; n],
-        );
-        self.client
-            .query(
-                &self.mark,
-                &[&ids, &attempts, &kinds, &delays, &errors, &tokens],
-            )
+        let fence = Fence {
+            shard: self.shard,
+            token,
+        };
+        let marks: Vec<(Held, Write)> = rows
+            .iter()
+            .map(|&(id, attempt)| (Held { id, attempt, fence }, Write::Published))
+            .collect();
+        let written = self.store.session().mark(&marks).await;
+        assert!(written.error.is_none(), "{:?}", written.error);
+        written.applied.len()
+    }
+
+    async fn seize(&self, owner: &str) -> i64 {
+        self.store
+            .seize_shard(self.shard, owner, Duration::from_secs(60))
             .await
             .unwrap()
-            .len()
+            .token
     }
 }
 
@@ -543,25 +544,29 @@ async fn claims_and_marks_under_a_superseded_token_change_no_row() {
         .await
         .unwrap()
         .get(0);
-    client
+    // One connection: the claims below run on the one whose setting is checked.
+    let store = Store::open(&db.url, 1, Duration::from_secs(5)).unwrap();
+    store
+        .conn()
+        .await
+        .unwrap()
         .batch_execute("SET synchronous_commit = on")
         .await
         .unwrap();
-    let old = seize_shard(&client, shard, "old", Duration::from_secs(60))
-        .await
-        .unwrap();
     let by_hand = ByHand {
-        claim: client.prepare_typed(CLAIM_SQL, CLAIM_TYPES).await.unwrap(),
-        mark: client.prepare_typed(MARK_SQL, MARK_TYPES).await.unwrap(),
-        client,
-        shard,
+        store,
+        shard: ShardId::new(shard as u32),
     };
+    let old = by_hand.seize("old").await;
     let claimed = by_hand.claim(old).await;
     assert_eq!(claimed.len(), 10);
     // The claim committed without waiting for its WAL flush, and left the
     // session's setting alone (it is set for the claim's transaction only).
     let setting: String = by_hand
-        .client
+        .store
+        .conn()
+        .await
+        .unwrap()
         .query_one("SHOW synchronous_commit", &[])
         .await
         .unwrap()
@@ -569,9 +574,7 @@ async fn claims_and_marks_under_a_superseded_token_change_no_row() {
     assert_eq!(setting, "on");
 
     // Another replica takes the shard (its lease ended, say).
-    let new = seize_shard(&by_hand.client, shard, "new", Duration::from_secs(60))
-        .await
-        .unwrap();
+    let new = by_hand.seize("new").await;
     assert!(new > old, "tokens increase");
     assert_eq!(
         by_hand.publish(&claimed, old).await,
@@ -606,8 +609,7 @@ async fn claims_and_marks_under_a_superseded_token_change_no_row() {
     assert_eq!(fresh.len(), 10);
 
     // A lease that ended refuses its own owner's writes too.
-    by_hand
-        .client
+    client
         .execute(
             "UPDATE outbox_relay_shard_leases SET lease_until = now() - interval '1 second' WHERE shard = $1",
             &[&shard],

@@ -13,7 +13,7 @@ use common::BIN;
 use jsonwebtoken::Algorithm;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use outbox_relay::{enqueue, Enqueued, NewEvent};
+use outbox_client::{enqueue, Enqueued, NewEvent};
 use outbox_testkit::relay::without_config_env;
 use outbox_testkit::TestDb;
 use serde_json::json;

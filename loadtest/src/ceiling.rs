@@ -4,10 +4,10 @@
 //! these statements can reach here; reports print the relay's throughput as a
 //! fraction of it.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use outbox_relay::actors::claimer::{no_cursor, CLAIM_SQL, CLAIM_TYPES};
-use outbox_relay::actors::marker::{MARK_SQL, MARK_TYPES};
+use outbox_relay::store::outbox::{no_cursor, ClaimScope, Held, Write};
+use outbox_relay::store::{ShardId, Store, StoreError};
 use serde::Serialize;
 
 /// What one run measured.
@@ -16,77 +16,64 @@ pub struct Ceiling {
     pub rows: u64,
     pub elapsed_secs: f64,
     pub rows_per_sec: f64,
-    pub shards: i32,
+    pub shards: u32,
     pub claim_batch: i64,
     pub statements: u64,
 }
 
 /// Claims and marks published every pending row, shard by shard in parallel,
 /// until none is left.
-pub async fn run(
-    database_url: &str,
-    claim_batch: i64,
-) -> Result<Ceiling, outbox_relay::db::DbError> {
-    let admin = outbox_relay::db::connect(database_url).await?;
-    let shards: i32 = admin
-        .query_one(outbox_relay::relay::SHARDS_SQL, &[])
-        .await?
-        .get(0);
-    let lease_ms: i64 = 60_000;
+pub async fn run(database_url: &str, claim_batch: i64) -> Result<Ceiling, StoreError> {
+    let admin = Store::for_command(database_url)?;
+    let shards = admin.shard_count().await?;
+    let store = Store::open(database_url, shards + 1, Duration::from_secs(10))?;
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
-    for shard in 0..shards as i16 {
-        let url = database_url.to_owned();
+    for shard in ShardId::all(shards) {
+        let store = store.clone();
         tasks.spawn(async move {
-            let client = outbox_relay::db::connect(&url).await?;
-            let token = outbox_relay::actors::coordinator::seize_shard(
-                &client,
-                shard,
-                "sql-ceiling",
-                std::time::Duration::from_secs(3600),
-            )
-            .await?;
-            let claim = client.prepare_typed(CLAIM_SQL, CLAIM_TYPES).await?;
-            let mark = client.prepare_typed(MARK_SQL, MARK_TYPES).await?;
+            let fence = store
+                .seize_shard(shard, "sql-ceiling", Duration::from_secs(3600))
+                .await?;
+            let scope = ClaimScope {
+                fence,
+                lease: Duration::from_secs(60),
+                ordered: &[],
+            };
+            let mut session = store.session();
             let (mut rows, mut statements) = (0u64, 0u64);
             let mut cursor = no_cursor();
             loop {
-                let claimed = client
-                    .query(
-                        &claim,
-                        &[
-                            &claim_batch,
-                            &lease_ms,
-                            &shard,
-                            &cursor.0,
-                            &cursor.1,
-                            &token,
-                        ],
-                    )
-                    .await?;
+                let claimed = session.claim_due(&scope, cursor, claim_batch).await?;
                 statements += 1;
                 if claimed.is_empty() {
                     break;
                 }
-                let ids: Vec<i64> = claimed.iter().map(|r| r.get(0)).collect();
-                let attempts: Vec<i32> = claimed.iter().map(|r| r.get(10)).collect();
                 cursor = claimed
                     .iter()
-                    .map(|r| (r.get(11), r.get::<_, i64>(0)))
+                    .map(|c| (c.available_at, c.row.id))
                     .max()
                     .expect("not empty");
-                let kinds = vec![1i16; ids.len()];
-                let delays = vec![0i64; ids.len()];
-                let errors: Vec<Option<&str>> = vec![None; ids.len()];
-                let tokens = vec![token; ids.len()];
-                client
-                    .query(&mark, &[&ids, &attempts, &kinds, &delays, &errors, &tokens])
-                    .await?;
+                let marks: Vec<(Held, Write)> = claimed
+                    .iter()
+                    .map(|c| {
+                        let held = Held {
+                            id: c.row.id,
+                            attempt: c.row.attempt,
+                            fence,
+                        };
+                        (held, Write::Published)
+                    })
+                    .collect();
+                let written = session.mark(&marks).await;
+                if let Some(e) = written.error {
+                    return Err(e);
+                }
                 statements += 1;
-                rows += ids.len() as u64;
+                rows += written.applied.len() as u64;
             }
-            outbox_relay::actors::coordinator::release_shard(&client, token).await?;
-            Ok::<_, outbox_relay::db::DbError>((rows, statements))
+            store.release_shard(fence).await?;
+            Ok::<_, StoreError>((rows, statements))
         });
     }
     let (mut rows, mut statements) = (0, 0);

@@ -419,8 +419,8 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::EmbeddedRelay { command } => match command {
             EmbeddedRelayCommand::Migrate => {
                 let config = outbox_relay::Config::load(None)?;
-                let mut client = outbox_relay::db::connect(&config.database.url).await?;
-                let report = outbox_relay::db::migrate::run(&mut client).await?;
+                let mut client = outbox_relay::store::connect(&config.database.url).await?;
+                let report = outbox_relay::store::migrate::run(&mut client).await?;
                 println!("applied migrations {:?}", report.applied);
                 Ok(ExitCode::SUCCESS)
             }

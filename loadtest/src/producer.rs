@@ -1,5 +1,5 @@
 //! Load producers: events written the way an application writes them
-//! (`outbox_relay::enqueue_many` in its own transactions, paced or flat out),
+//! (`outbox_client::enqueue_many` in its own transactions, paced or flat out),
 //! or a backlog preloaded with binary COPY.
 //!
 //! Events are spread over `tenants` tenants and `partition_keys` keys (each key
@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use outbox_relay::{enqueue_many, NewEvent};
+use outbox_client::{enqueue_many, NewEvent};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -31,7 +31,7 @@ pub enum ProduceError {
     #[error("database: {0}")]
     Postgres(#[from] tokio_postgres::Error),
     #[error("enqueue: {0}")]
-    Enqueue(#[from] outbox_relay::EnqueueError),
+    Enqueue(#[from] outbox_client::EnqueueError),
     #[error("database URL: {0}")]
     Url(String),
     #[error("{0}")]
@@ -309,9 +309,9 @@ pub struct ProduceProgress {
 /// Opens a harness connection (named [`APPLICATION_NAME`]).
 pub async fn connect(url: &str) -> Result<tokio_postgres::Client, ProduceError> {
     let mut config =
-        outbox_relay::db::parse_url(url).map_err(|e| ProduceError::Url(e.to_string()))?;
+        outbox_relay::store::parse_url(url).map_err(|e| ProduceError::Url(e.to_string()))?;
     config.application_name(APPLICATION_NAME);
-    let (client, connection) = config.connect(outbox_relay::db::tls()).await?;
+    let (client, connection) = config.connect(outbox_relay::store::tls()).await?;
     tokio::spawn(async move {
         if let Err(e) = connection.await {
             tracing::debug!(error = %e, "loadtest connection closed");

@@ -118,7 +118,7 @@ impl RunDatabase {
             }
         };
         let name = format!("loadtest_{}", uuid::Uuid::new_v4().simple());
-        let admin = outbox_relay::db::connect(&server_url)
+        let admin = outbox_relay::store::connect(&server_url)
             .await
             .map_err(|e| setup("connect to the database server")(&e))?;
         // A generated identifier, not input: CREATE DATABASE takes no parameters.
@@ -136,7 +136,7 @@ impl RunDatabase {
     /// Drops the database (and stops our cluster, if any).
     pub async fn drop_database(self) -> Result<(), RunError> {
         if self.cluster.is_none() {
-            let admin = outbox_relay::db::connect(&self.server_url)
+            let admin = outbox_relay::store::connect(&self.server_url)
                 .await
                 .map_err(|e| setup("connect to the database server")(&e))?;
             admin

@@ -6,7 +6,7 @@ use std::time::Duration;
 use loadtest::producer::{
     preload, produce, EventMix, LoadSpec, PreloadSpec, ProduceProgress, Skew,
 };
-use outbox_relay::db::migrate;
+use outbox_relay::store::migrate;
 use outbox_testkit::TestDb;
 
 async fn count(db: &TestDb, sql: &str) -> i64 {

@@ -1,8 +1,8 @@
 //! The verifier catches what a broken relay would do, against real rows.
 
 use loadtest::verify::{verify, VerifyOptions};
-use outbox_relay::db::migrate;
-use outbox_relay::{enqueue_many, NewEvent};
+use outbox_client::{enqueue_many, NewEvent};
+use outbox_relay::store::migrate;
 use outbox_testkit::sink::Record;
 use outbox_testkit::TestDb;
 use serde_json::json;
@@ -53,7 +53,7 @@ async fn fixture() -> Fixture {
         .unwrap()
         .into_iter()
         .map(|e| match e {
-            outbox_relay::Enqueued::New { id } => id,
+            outbox_client::Enqueued::New { id } => id,
             other => panic!("{other:?}"),
         })
         .collect();

@@ -1,251 +1,37 @@
-//! Claimer: one per shard. Claims a batch of ready rows under a lease in one
-//! statement (no transaction held across the network), hands them to the
-//! publishers, and claims again at once while batches come back full;
-//! otherwise it waits for the listener's wake-up or the poll interval. It never has more
-//! rows out than the in-flight permits allow (backpressure).
+//! Claimer: one per shard this replica holds. Claims a batch of ready rows
+//! under a lease in one statement (no transaction held across the network),
+//! hands them to the publishers, and claims again at once while batches come
+//! back full; otherwise it waits for the listener's wake-up or the poll
+//! interval. It never has more rows out than the in-flight permits allow
+//! (backpressure).
+//!
+//! [`Claimers`] is how the rest of the tree drives them: the coordinator
+//! starts and stops the claimer of a shard as it takes or hands over the
+//! shard, the listener and the marker wake them, the supervisor restarts one
+//! that crashed.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering as AtomicOrdering;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, OnceLock, RwLock};
+use std::time::{Duration, Instant};
 
-use chrono::{DateTime, Utc};
 use metrics::{counter, gauge, histogram};
-use ractor::{Actor, ActorProcessingErr, ActorRef};
-use tokio::sync::OwnedSemaphorePermit;
-use tokio_postgres::types::{ToSql, Type};
-use tokio_postgres::Statement;
-use uuid::Uuid;
+use ractor::{Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef};
 
-use super::{reconnect_delay, Held, Lease, Mark, Marked, MarkerMsg, PublisherMsg, Shared};
-use crate::db::PooledConn;
+use super::inflight::{InFlight, Lease};
+use super::marker::{Mark, Marked, MarkerPort};
+use super::publisher::{PublisherMsg, Publishers};
+use super::Counters;
 use crate::metrics as m;
-use crate::row::{compact_json, parse_headers, OutboxRow};
+use crate::routes::Router;
+use crate::sink::breaker::Breakers;
 use crate::sink::DeadReason;
-
-/// Every claim ends the same way: lease the rows chosen by its `claimable`
-/// CTE (`$2` ms) and return them, if the shard (`$3`) is still held under the
-/// fencing token `$token` and its lease has not ended. A replica that lost the
-/// shard claims nothing: the database checks, in the statement itself (the
-/// `fence` InitPlan runs first, so a fenced claim scans nothing). Literals only:
-/// the SQL stays constant.
-///
-/// The claim commits without waiting for its WAL flush (`synchronous_commit`
-/// off for this transaction only, set by the fence). A lease is a hint: if the
-/// server crashes before the flush, the rows come back unleased with their old
-/// `attempt_count`, the marks of their delivery are refused by the attempt
-/// fence, and they are delivered again under the same deduplication id. Never
-/// lost, and per-key order of first deliveries holds (the next row of a key is
-/// claimable only once the previous one is marked, and a mark waits for its
-/// own flush, which covers every earlier commit). Measured at 5,000 events/s:
-/// p50 5.70 → 4.40 ms, p99 23.2 → 9.3 ms (loadtest/reports/steady-5k).
-macro_rules! claim_statement {
-    ($token:literal, $claimable:literal) => {
-        concat!(
-            "WITH RECURSIVE fence AS (
-    SELECT set_config('synchronous_commit', 'off', true)
-    FROM outbox_relay_shard_leases
-    WHERE shard = $3 AND token = ",
-            $token,
-            " AND lease_until > now()
-), ",
-            $claimable,
-            "
-UPDATE outbox AS o
-SET locked_until = now() + $2 * interval '1 millisecond',
-    attempt_count = o.attempt_count + 1
-FROM claimable
-WHERE o.id = claimable.id
-  AND EXISTS (SELECT FROM fence)
-RETURNING o.id, o.tenant_id, o.aggregate_type, o.aggregate_id, o.event_type,
-          o.payload::text, o.headers::text, o.idempotency_key, o.partition_key,
-          o.created_at, o.attempt_count, o.available_at"
-        )
-    };
-}
-
-/// Claims up to `$1` ready rows of shard `$3` for `$2` ms, after the cursor
-/// `($4, $5)`. The scan walks `outbox_shard_ready_idx` in its order (a claim
-/// whose order does not match its index sorts the whole backlog:
-/// docs/architecture.md, "Claims and their indexes").
-/// The cursor lets a claimer in a burst start after the rows it already has
-/// in flight instead of walking past their leases on every claim. `$6`: the
-/// shard's fencing token.
-pub const CLAIM_SQL: &str = claim_statement!(
-    "$6",
-    "claimable AS (
-    SELECT id FROM outbox
-    WHERE shard = $3
-      AND published_at IS NULL AND dead_lettered_at IS NULL
-      AND available_at <= now()
-      AND (available_at, id) > ($4, $5)
-      AND (locked_until IS NULL OR locked_until < now())
-    ORDER BY shard, available_at, id
-    LIMIT $1
-    FOR UPDATE SKIP LOCKED
-)
-"
-);
-
-/// Ordered routes: claims up to `$1` key heads of shard `$3` — each key's
-/// oldest undelivered row — whose type goes to an ordered route (`$4`, LIKE
-/// patterns) and which are due and not leased. A key whose head is in flight
-/// or waiting for a retry has nothing claimable: never two of a key in flight,
-/// and a failing event holds its key back.
-///
-/// The heads are found by skipping from key to key through
-/// `outbox_shard_key_idx` (a loose index scan), starting after the key cursor
-/// `$5` (the last key the previous claim took) and wrapping around to the
-/// first key once the walk passes the last one. The walk is lazy: it stops as
-/// soon as `$1` claimable heads are found, so a claim visits about as many
-/// keys as it returns instead of every key of the shard. Fairness is
-/// therefore key round-robin (each key in turn, from the cursor on), not age
-/// order: a due head waits at most one lap of the shard's keys. The two walks
-/// (after the cursor, then up to it) cover every key whatever `$5` is, so a
-/// stale or misplaced cursor costs fairness, never a key.
-///
-/// Each head is checked and locked through the primary key, one at a time (a
-/// LATERAL subquery with its own `FOR UPDATE SKIP LOCKED`, which the planner
-/// cannot flatten into a hash join; the pending test is written as
-/// `coalesce(..) IS NULL` so no partial index matches it). Right after a bulk
-/// load, before ANALYZE, the planner took the outbox for a tiny table and
-/// hashed the whole pending set through `outbox_ready_idx` on every claim:
-/// 1.1 s per claim with 1,000,000 rows pending, ~520 events/s for the first
-/// minute of a drain (until autoanalyze), for the whole drain without it.
-/// `$6`: the shard's fencing token.
-pub const CLAIM_HEADS_SQL: &str = claim_statement!(
-    "$6",
-    "after_cursor (partition_key, id) AS (
-    (SELECT partition_key, id FROM outbox
-     WHERE shard = $3 AND published_at IS NULL AND dead_lettered_at IS NULL
-       AND partition_key > $5
-     ORDER BY partition_key, id
-     LIMIT 1)
-    UNION ALL
-    SELECT next.partition_key, next.id
-    FROM after_cursor AS prev, LATERAL (
-        SELECT partition_key, id FROM outbox
-        WHERE shard = $3 AND published_at IS NULL AND dead_lettered_at IS NULL
-          AND partition_key > prev.partition_key
-        ORDER BY partition_key, id
-        LIMIT 1) AS next
-), up_to_cursor (partition_key, id) AS (
-    (SELECT partition_key, id FROM outbox
-     WHERE shard = $3 AND published_at IS NULL AND dead_lettered_at IS NULL
-       AND partition_key <= $5
-     ORDER BY partition_key, id
-     LIMIT 1)
-    UNION ALL
-    SELECT next.partition_key, next.id
-    FROM up_to_cursor AS prev, LATERAL (
-        SELECT partition_key, id FROM outbox
-        WHERE shard = $3 AND published_at IS NULL AND dead_lettered_at IS NULL
-          AND partition_key > prev.partition_key AND partition_key <= $5
-        ORDER BY partition_key, id
-        LIMIT 1) AS next
-), heads (id) AS (
-    SELECT id FROM after_cursor
-    UNION ALL
-    SELECT id FROM up_to_cursor
-), claimable AS (
-    SELECT head.id FROM heads, LATERAL (
-        SELECT o.id FROM outbox AS o
-        WHERE o.id = heads.id
-          AND coalesce(o.published_at, o.dead_lettered_at) IS NULL
-          AND o.available_at <= now()
-          AND (o.locked_until IS NULL OR o.locked_until < now())
-          AND o.event_type LIKE ANY ($4)
-        FOR UPDATE SKIP LOCKED) AS head
-    LIMIT $1
-)
-"
-);
-
-/// When some routes are ordered and others are not: the plain claim for the
-/// types no ordered route takes (`$6`). `$7`: the shard's fencing token.
-pub const CLAIM_UNORDERED_TYPES_SQL: &str = claim_statement!(
-    "$7",
-    "claimable AS (
-    SELECT id FROM outbox
-    WHERE shard = $3
-      AND published_at IS NULL AND dead_lettered_at IS NULL
-      AND available_at <= now()
-      AND (available_at, id) > ($4, $5)
-      AND (locked_until IS NULL OR locked_until < now())
-      AND NOT (event_type LIKE ANY ($6))
-    ORDER BY shard, available_at, id
-    LIMIT $1
-    FOR UPDATE SKIP LOCKED
-)
-"
-);
-
-pub const CLAIM_TYPES: &[Type] = &[
-    Type::INT8,
-    Type::INT8,
-    Type::INT2,
-    Type::TIMESTAMPTZ,
-    Type::INT8,
-    Type::INT8,
-];
-pub const CLAIM_HEADS_TYPES: &[Type] = &[
-    Type::INT8,
-    Type::INT8,
-    Type::INT2,
-    Type::TEXT_ARRAY,
-    Type::TEXT,
-    Type::INT8,
-];
-
-/// Where the key walk of [`CLAIM_HEADS_SQL`] resumes after a claim that took
-/// `claimed` keys, starting after `cursor`: the last of them in walk order
-/// (keys after the cursor come first, then the wrapped ones up to it). `None`
-/// when nothing was claimed (the cursor stays). Keys compare bytewise here;
-/// under a database collation that orders differently the resume point may
-/// be off by some keys, which costs fairness only (see `CLAIM_HEADS_SQL`).
-pub fn next_key_cursor<'a>(
-    cursor: &str,
-    claimed: impl IntoIterator<Item = &'a str>,
-) -> Option<String> {
-    let mut after: Option<&str> = None;
-    let mut wrapped: Option<&str> = None;
-    for key in claimed {
-        let slot = if key > cursor {
-            &mut after
-        } else {
-            &mut wrapped
-        };
-        if slot.is_none_or(|k| key > k) {
-            *slot = Some(key);
-        }
-    }
-    wrapped.or(after).map(str::to_owned)
-}
-const CLAIM_UNORDERED_TYPES_TYPES: &[Type] = &[
-    Type::INT8,
-    Type::INT8,
-    Type::INT2,
-    Type::TIMESTAMPTZ,
-    Type::INT8,
-    Type::TEXT_ARRAY,
-    Type::INT8,
-];
-
-/// Where a claim starts when there is no cursor: the beginning of the shard.
-pub fn no_cursor() -> (DateTime<Utc>, i64) {
-    // Year 1: before any real `available_at`, and inside PostgreSQL's range.
-    let start = chrono::NaiveDate::from_ymd_opt(1, 1, 1)
-        .and_then(|d| d.and_hms_opt(0, 0, 0))
-        .expect("a valid date")
-        .and_utc();
-    (start, i64::MIN)
-}
+use crate::store::outbox::{no_cursor, ClaimScope, Claimed, Cursor, Held};
+use crate::store::{Fence, Session, ShardId, Store, StoreError};
+use outbox_client::row::OutboxRow;
 
 /// How long a wake-up waits before claiming, to gather a burst of inserts.
 const WAKE_COALESCE: Duration = Duration::from_millis(1);
-
-/// How long a claimer waits for an in-flight permit before looking again.
-const PERMIT_WAIT: Duration = Duration::from_millis(100);
 
 #[derive(Debug)]
 pub enum ClaimerMsg {
@@ -257,34 +43,58 @@ pub enum ClaimerMsg {
     Tick(u64),
 }
 
+/// How claims are made.
+#[derive(Debug, Clone)]
+pub struct ClaimSettings {
+    /// Rows one claim takes at most (`relay.claim_batch`).
+    pub batch: usize,
+    /// How long a claimed row is ours (`relay.lease`).
+    pub lease: Duration,
+    /// Claim at least this often without a wake-up (`relay.poll_interval`).
+    pub poll_interval: Duration,
+    /// LIKE patterns of the event types an ordered route takes.
+    pub ordered: Arc<[String]>,
+    /// Rows per publisher job (`qstash.batch_size`).
+    pub job_rows: usize,
+}
+
+/// What every claimer works with, whatever its shard.
+#[derive(Clone)]
+pub struct ClaimerContext {
+    pub store: Store,
+    pub settings: ClaimSettings,
+    pub in_flight: Arc<InFlight>,
+    pub breakers: Arc<Breakers>,
+    pub router: Arc<Router>,
+    pub publishers: Publishers,
+    pub marker: MarkerPort,
+    pub counters: Arc<Counters>,
+}
+
 pub struct Claimer;
 
 pub struct ClaimerArgs {
-    pub shard: u32,
-    /// The shard's fencing token: this replica's tenure of it.
-    pub token: i64,
-    pub shared: Arc<Shared>,
+    /// The shard and this replica's tenure of it.
+    pub fence: Fence,
+    pub cx: ClaimerContext,
 }
 
 pub struct ClaimerState {
-    shard: i16,
-    token: i64,
+    fence: Fence,
+    cx: ClaimerContext,
+    session: Session,
     /// `(available_at, id)` of the last row of the last full batch: the next
     /// claim of a burst starts after it. Reset whenever a claim comes back short.
-    cursor: (DateTime<Utc>, i64),
+    cursor: Cursor,
     /// Ordered claims: the last key the previous key-head claim took; the
     /// next one walks the shard's keys from after it (round-robin).
     key_cursor: String,
-    shared: Arc<Shared>,
-    conn: Option<Connected>,
-    ordered_patterns: Vec<String>,
     /// An ordered route takes every type (`*`): there is no plain claim to run.
     all_ordered: bool,
     /// Which kind of claim gets an odd limit's extra row this time.
     heads_first: bool,
     claim_queued: bool,
     idle_generation: u64,
-    failures: u32,
 }
 
 impl Actor for Claimer {
@@ -297,22 +107,18 @@ impl Actor for Claimer {
         myself: ActorRef<ClaimerMsg>,
         args: ClaimerArgs,
     ) -> Result<ClaimerState, ActorProcessingErr> {
-        let ordered_patterns = args.shared.router.ordered_like_patterns();
-        let all_ordered = ordered_patterns.iter().any(|p| p == "%");
+        let all_ordered = args.cx.settings.ordered.iter().any(|p| p == "%");
         myself.cast(ClaimerMsg::Claim)?;
         Ok(ClaimerState {
-            shard: args.shard as i16,
-            token: args.token,
+            fence: args.fence,
+            session: args.cx.store.session(),
+            cx: args.cx,
             cursor: no_cursor(),
             key_cursor: String::new(),
-            shared: args.shared,
-            conn: None,
-            ordered_patterns,
             all_ordered,
             heads_first: false,
             claim_queued: true,
             idle_generation: 0,
-            failures: 0,
         })
     }
 
@@ -359,32 +165,29 @@ fn claim_later(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerState, after: D
 }
 
 async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerState) {
-    let shared = Arc::clone(&state.shared);
-    let now = std::time::Instant::now();
-    if let Some(until) = shared.sinks.breakers.all_paused_until(now) {
+    let cx = state.cx.clone();
+    let now = Instant::now();
+    if let Some(until) = cx.breakers.all_paused_until(now) {
         // Every route is paused: rows claimed now would only be put back.
         claim_later(myself, state, until - now);
         return;
     }
-    let batch = shared.config.relay.claim_batch as usize;
-    let Some(mut permit) = take_permits(&shared, batch).await else {
+    let Some(mut permits) = cx.in_flight.permits(cx.settings.batch).await else {
         // Publishers are full: look again shortly (not a busy loop: we waited).
         queue_claim(myself, state);
         return;
     };
-    let wanted = permit.num_permits();
+    let wanted = permits.count();
     // Measured before the statement: the database's lease ends no earlier.
-    let expires = std::time::Instant::now() + shared.config.relay.lease;
+    let expires = Instant::now() + cx.settings.lease;
     let rows = match claim(state, wanted as i64).await {
         Ok(rows) => {
-            state.failures = 0;
+            state.session.succeeded();
             rows
         }
         Err(e) => {
-            state.failures += 1;
-            let delay = reconnect_delay(state.failures);
-            tracing::warn!(shard = state.shard, error = %e, retry_in = ?delay, "claim failed");
-            state.conn = None;
+            let delay = state.session.failed();
+            tracing::warn!(shard = %state.fence.shard, error = %e, retry_in = ?delay, "claim failed");
             claim_later(myself, state, delay);
             return;
         }
@@ -394,187 +197,70 @@ async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerSt
         // Idle polls would drown "rows per claim" in zeros.
         histogram!(m::BATCH_SIZE).record(rows.len() as f64);
     }
-    shared
-        .counters
+    cx.counters
         .claimed
         .fetch_add(rows.len() as u64, AtomicOrdering::Relaxed);
-    tracing::debug!(
-        shard = state.shard,
-        claimed = rows.len(),
-        wanted,
-        "claim batch"
-    );
+    tracing::debug!(shard = %state.fence.shard, claimed = rows.len(), wanted, "claim batch");
     let got = rows.len();
-    let rows: Vec<OutboxRow> = rows.into_iter().map(|(r, _)| r).collect();
-    let mut leases = Vec::with_capacity(got);
-    for row in &rows {
-        let one = permit.split(1).expect("one permit per claimed row");
+    let mut leased = Vec::with_capacity(got);
+    for claimed in rows {
         let held = Held {
-            id: row.id,
-            attempt: row.attempt,
-            shard: state.shard,
-            token: state.token,
+            id: claimed.row.id,
+            attempt: claimed.row.attempt,
+            fence: state.fence,
         };
-        leases.push(Lease::new(held, expires, one, &shared.in_flight));
+        let lease = permits.lease(held, expires, &cx.in_flight);
+        leased.push((claimed.row, lease));
     }
-    drop(permit); // permits for rows we did not get go back
-    gauge!(m::IN_FLIGHT).set(shared.in_flight_count() as f64);
-    dispatch(&shared, rows, leases);
+    drop(permits); // permits for rows we did not get go back
+    gauge!(m::IN_FLIGHT).set(cx.in_flight.count() as f64);
+    dispatch(&cx, leased);
     if got == wanted {
         // Full: there is probably more right now.
         queue_claim(myself, state);
     } else {
-        claim_later(myself, state, shared.config.relay.poll_interval);
+        claim_later(myself, state, cx.settings.poll_interval);
     }
 }
 
-/// Up to `batch` in-flight permits. When few are free it waits (a little) for
-/// a quarter batch: a claim costs about the same for 1 row as for 500, so
-/// claiming as soon as one permit frees up would spend the database on tiny
-/// claims exactly when the relay is busiest.
-async fn take_permits(shared: &Shared, batch: usize) -> Option<OwnedSemaphorePermit> {
-    let semaphore = &shared.permits;
-    let chunk = (batch / 4).max(1) as u32;
-    let mut permit = match semaphore.clone().try_acquire_many_owned(chunk) {
-        Ok(p) => p,
-        Err(_) => {
-            match tokio::time::timeout(PERMIT_WAIT, semaphore.clone().acquire_many_owned(chunk))
-                .await
-            {
-                Ok(Ok(p)) => p,
-                // Still short after the wait: take what there is, so a slow
-                // destination does not stop the relay altogether.
-                _ => semaphore.clone().try_acquire_owned().ok()?,
-            }
-        }
+/// The claimed rows, in id order.
+async fn claim(state: &mut ClaimerState, limit: i64) -> Result<Vec<Claimed>, StoreError> {
+    let ordered = &state.cx.settings.ordered;
+    let scope = ClaimScope {
+        fence: state.fence,
+        lease: state.cx.settings.lease,
+        ordered,
     };
-    let more = batch
-        .saturating_sub(permit.num_permits())
-        .min(semaphore.available_permits());
-    if more > 0 {
-        if let Ok(extra) = semaphore.clone().try_acquire_many_owned(more as u32) {
-            permit.merge(extra);
-        }
-    }
-    Some(permit)
-}
-
-/// A claimer's connection and the statements it prepared on it.
-pub struct Connected {
-    conn: PooledConn,
-    /// The plain claim (all types, or the types no ordered route takes).
-    plain: Option<Statement>,
-    /// The key-head claim, when a route is ordered.
-    heads: Option<Statement>,
-}
-
-/// A key-head claim's parameters besides its limit.
-struct HeadsClaim<'a> {
-    statement: &'a Statement,
-    lease_ms: i64,
-    shard: i16,
-    patterns: &'a [String],
-    token: i64,
-}
-
-impl HeadsClaim<'_> {
-    /// Claims up to `limit` key heads, moving the key cursor on.
-    async fn run(
-        &self,
-        conn: &PooledConn,
-        limit: i64,
-        key_cursor: &mut String,
-    ) -> Result<Vec<tokio_postgres::Row>, ClaimError> {
-        let rows = conn
-            .query(
-                self.statement,
-                &[
-                    &limit,
-                    &self.lease_ms,
-                    &self.shard,
-                    &self.patterns,
-                    &*key_cursor,
-                    &self.token,
-                ],
-            )
-            .await?;
-        if let Some(next) = next_key_cursor(key_cursor, rows.iter().map(|r| r.get::<_, &str>(8))) {
-            *key_cursor = next;
-        }
-        Ok(rows)
-    }
-}
-
-/// The claimed rows with their `available_at`, in id order.
-async fn claim(
-    state: &mut ClaimerState,
-    limit: i64,
-) -> Result<Vec<(OutboxRow, DateTime<Utc>)>, ClaimError> {
-    let ordered = !state.ordered_patterns.is_empty();
-    if state.conn.is_none() {
-        let conn = state.shared.pool.get_owned().await?;
-        let plain = match (ordered, state.all_ordered) {
-            (false, _) => Some(conn.prepare_typed(CLAIM_SQL, CLAIM_TYPES).await?),
-            (true, false) => Some(
-                conn.prepare_typed(CLAIM_UNORDERED_TYPES_SQL, CLAIM_UNORDERED_TYPES_TYPES)
-                    .await?,
-            ),
-            (true, true) => None,
-        };
-        let heads = if ordered {
-            Some(
-                conn.prepare_typed(CLAIM_HEADS_SQL, CLAIM_HEADS_TYPES)
-                    .await?,
-            )
-        } else {
-            None
-        };
-        state.conn = Some(Connected { conn, plain, heads });
-    }
-    let c = state.conn.as_ref().expect("connected above");
-    let lease_ms = state.shared.config.relay.lease.as_millis() as i64;
+    let heads = !ordered.is_empty();
+    let plain = !state.all_ordered;
     // When both kinds run, each gets half of every claim, and what one leaves
     // the other may take: a large ordered backlog never starves the
     // unordered event types, nor the other way round.
     // An odd limit's extra row goes to each kind in turn.
     state.heads_first = !state.heads_first;
-    let heads_share = if c.plain.is_some() {
+    let heads_share = if plain {
         (limit + i64::from(state.heads_first)) / 2
     } else {
         limit
     };
-    let heads = c.heads.as_ref().map(|statement| HeadsClaim {
-        statement,
-        lease_ms,
-        shard: state.shard,
-        patterns: &state.ordered_patterns,
-        token: state.token,
-    });
     let mut rows = Vec::new();
-    if let (Some(h), true) = (&heads, heads_share > 0) {
-        rows.extend(h.run(&c.conn, heads_share, &mut state.key_cursor).await?);
+    if heads && heads_share > 0 {
+        rows.extend(
+            state
+                .session
+                .claim_heads(&scope, &mut state.key_cursor, heads_share)
+                .await?,
+        );
     }
     // Heads may want more than their share (none was asked, or all were taken).
-    let heads_want_more = heads.is_some() && rows.len() as i64 >= heads_share;
+    let heads_want_more = heads && rows.len() as i64 >= heads_share;
     let rest = limit - rows.len() as i64;
-    if let (Some(plain), true) = (&c.plain, rest > 0) {
-        let (after_available, after_id) = state.cursor;
-        // The types-not-ordered claim takes the ordered patterns before the token.
-        let mut params: Vec<&(dyn ToSql + Sync)> =
-            vec![&rest, &lease_ms, &state.shard, &after_available, &after_id];
-        if ordered {
-            params.push(&state.ordered_patterns);
-        }
-        params.push(&state.token);
-        let plain_rows = c.conn.query(plain, &params).await?;
+    if plain && rest > 0 {
+        let plain_rows = state.session.claim_due(&scope, state.cursor, rest).await?;
         // The plain claim's cursor follows its own rows only (key heads are
         // anywhere in the shard): full, the next claim goes on after them;
         // short, it starts again from the beginning.
-        state.cursor = match plain_rows
-            .iter()
-            .map(|r| (r.get::<_, DateTime<Utc>>(11), r.get::<_, i64>(0)))
-            .max()
-        {
+        state.cursor = match plain_rows.iter().map(|c| (c.available_at, c.row.id)).max() {
             Some(last) if plain_rows.len() as i64 == rest => last,
             _ => no_cursor(),
         };
@@ -582,51 +268,29 @@ async fn claim(
         rows.extend(plain_rows);
         // The unordered types left room: give it to the ordered heads.
         let room = limit - rows.len() as i64;
-        if let (true, true, Some(h)) = (short && room > 0, heads_want_more, &heads) {
-            rows.extend(h.run(&c.conn, room, &mut state.key_cursor).await?);
+        if short && room > 0 && heads_want_more {
+            rows.extend(
+                state
+                    .session
+                    .claim_heads(&scope, &mut state.key_cursor, room)
+                    .await?,
+            );
         }
     }
-    let mut out: Vec<(OutboxRow, DateTime<Utc>)> = rows
-        .iter()
-        .map(|r| {
-            let row = OutboxRow {
-                id: r.get(0),
-                tenant_id: r.get::<_, Uuid>(1),
-                aggregate_type: r.get(2),
-                aggregate_id: r.get(3),
-                event_type: r.get(4),
-                payload: compact_json(r.get::<_, &str>(5)),
-                headers: parse_headers(r.get::<_, &str>(6)),
-                idempotency_key: r.get(7),
-                partition_key: r.get(8),
-                created_at: r.get::<_, DateTime<Utc>>(9),
-                attempt: r.get(10),
-            };
-            (row, r.get::<_, DateTime<Utc>>(11))
-        })
-        .collect();
     // RETURNING has no order; publish in id order.
-    out.sort_unstable_by_key(|(r, _)| r.id);
-    Ok(out)
-}
-
-#[derive(Debug, thiserror::Error)]
-enum ClaimError {
-    #[error(transparent)]
-    Postgres(#[from] tokio_postgres::Error),
-    #[error("no database connection: {0}")]
-    Pool(#[from] bb8::RunError<tokio_postgres::Error>),
+    rows.sort_unstable_by_key(|c| c.row.id);
+    Ok(rows)
 }
 
 /// Groups rows by route and sends publisher-sized jobs; rows no route takes
 /// go straight to the marker as dead letters.
-fn dispatch(shared: &Shared, rows: Vec<OutboxRow>, leases: Vec<Lease>) {
-    let mut groups: HashMap<Option<usize>, (Vec<OutboxRow>, Vec<Lease>)> = HashMap::new();
+fn dispatch(cx: &ClaimerContext, leased: Vec<(OutboxRow, Lease)>) {
+    let mut groups: HashMap<usize, (Vec<OutboxRow>, Vec<Lease>)> = HashMap::new();
     let mut unrouted = Vec::new();
-    for (row, lease) in rows.into_iter().zip(leases) {
-        match shared.router.route(&row.event_type) {
+    for (row, lease) in leased {
+        match cx.router.route(&row.event_type) {
             Some(route) => {
-                let g = groups.entry(Some(route.index)).or_default();
+                let g = groups.entry(route.index).or_default();
                 g.0.push(row);
                 g.1.push(lease);
             }
@@ -645,11 +309,10 @@ fn dispatch(shared: &Shared, rows: Vec<OutboxRow>, leases: Vec<Lease>) {
         }
     }
     if !unrouted.is_empty() {
-        send_to_marker(shared, unrouted);
+        cx.marker.send(unrouted);
     }
-    let chunk = shared.config.qstash.batch_size as usize;
+    let chunk = cx.settings.job_rows.max(1);
     for (route, (rows, leases)) in groups {
-        let route = route.expect("grouped by route");
         let mut rows = rows.into_iter();
         let mut leases = leases.into_iter();
         loop {
@@ -658,7 +321,7 @@ fn dispatch(shared: &Shared, rows: Vec<OutboxRow>, leases: Vec<Lease>) {
                 break;
             }
             let part_leases: Vec<Lease> = leases.by_ref().take(part_rows.len()).collect();
-            let Some(publisher) = shared.directory.next_publisher() else {
+            let Some(publisher) = cx.publishers.next() else {
                 // All publishers are restarting: the leases expire and the rows
                 // are claimed again.
                 tracing::warn!(
@@ -679,16 +342,193 @@ fn dispatch(shared: &Shared, rows: Vec<OutboxRow>, leases: Vec<Lease>) {
     }
 }
 
-pub(crate) fn send_to_marker(shared: &Shared, marked: Vec<Marked>) {
-    match shared.directory.marker() {
-        Some(marker) => {
-            if let Err(e) = marker.cast(MarkerMsg::Outcomes(marked)) {
-                tracing::warn!(error = %e, "marker gone; outcomes lost, leases will expire");
+/// Asks for a shard's claimer to be started again a little later.
+pub type RetryStart = Arc<dyn Fn(ShardId) + Send + Sync>;
+
+/// The claimers of the shards this replica holds.
+#[derive(Clone)]
+pub struct Claimers(Arc<ClaimersInner>);
+
+struct ClaimersInner {
+    cx: ClaimerContext,
+    /// The supervisor the claimers are linked to (set once it runs), and how
+    /// to ask it to try a claimer that could not start again.
+    supervisor: OnceLock<(ActorCell, RetryStart)>,
+    /// Serialises starts and stops, which wait for actors.
+    changing: tokio::sync::Mutex<()>,
+    /// Each held shard's tenure and its claimer, when one runs.
+    running: RwLock<HashMap<ShardId, Running>>,
+}
+
+#[derive(Clone)]
+struct Running {
+    token: i64,
+    actor: Option<ActorRef<ClaimerMsg>>,
+}
+
+impl Claimers {
+    pub fn new(cx: ClaimerContext) -> Claimers {
+        Claimers(Arc::new(ClaimersInner {
+            cx,
+            supervisor: OnceLock::new(),
+            changing: tokio::sync::Mutex::new(()),
+            running: RwLock::new(HashMap::new()),
+        }))
+    }
+
+    /// Links the claimers started from now on to `supervisor`; `retry` asks
+    /// it to start a shard's claimer again a little later.
+    pub(crate) fn attach(&self, supervisor: ActorCell, retry: RetryStart) {
+        let _ = self.0.supervisor.set((supervisor, retry));
+    }
+
+    /// Runs a claimer for `fence` (stopping the one of an older tenure of the
+    /// shard first). When it cannot be started it is tried again shortly.
+    pub async fn start(&self, fence: Fence) {
+        let _changing = self.0.changing.lock().await;
+        let old = self.0.running_mut().insert(
+            fence.shard,
+            Running {
+                token: fence.token,
+                actor: None,
+            },
+        );
+        if let Some(actor) = old.and_then(|r| r.actor) {
+            stop(actor).await;
+        }
+        self.spawn(fence).await;
+    }
+
+    /// Stops the claimer of `fence`'s tenure, if that is the one running, and
+    /// waits for it; a newer tenure's claimer is left running.
+    pub async fn stop(&self, fence: Fence) {
+        let _changing = self.0.changing.lock().await;
+        let actor = {
+            let mut running = self.0.running_mut();
+            match running.get(&fence.shard) {
+                Some(r) if r.token == fence.token => {
+                    running.remove(&fence.shard).and_then(|r| r.actor)
+                }
+                _ => None,
+            }
+        };
+        if let Some(actor) = actor {
+            stop(actor).await;
+        }
+    }
+
+    /// Stops every claimer (shutdown).
+    pub async fn stop_all(&self) {
+        let _changing = self.0.changing.lock().await;
+        let actors: Vec<_> = self
+            .0
+            .running_mut()
+            .drain()
+            .filter_map(|(_, r)| r.actor)
+            .collect();
+        for actor in actors {
+            stop(actor).await;
+        }
+    }
+
+    /// New rows may be ready.
+    pub fn wake_all(&self) {
+        for r in self.0.running().values() {
+            if let Some(actor) = &r.actor {
+                let _ = actor.cast(ClaimerMsg::Wake);
             }
         }
-        None => tracing::warn!(
-            rows = marked.len(),
-            "marker restarting; outcomes lost, leases will expire"
-        ),
     }
+
+    /// The shard whose claimer is `id`, if it is one of the claimers running.
+    pub(crate) fn shard_of(&self, id: ActorId) -> Option<ShardId> {
+        self.0
+            .running()
+            .iter()
+            .find(|(_, r)| r.actor.as_ref().is_some_and(|a| a.get_id() == id))
+            .map(|(s, _)| *s)
+    }
+
+    /// A claimer died: forget it (its shard stays wanted until stopped).
+    pub(crate) fn died(&self, shard: ShardId) {
+        if let Some(r) = self.0.running_mut().get_mut(&shard) {
+            r.actor = None;
+        }
+    }
+
+    /// Starts the shard's claimer again if the shard is still held and none runs.
+    pub(crate) async fn respawn(&self, shard: ShardId) {
+        let _changing = self.0.changing.lock().await;
+        let token = {
+            let running = self.0.running();
+            match running.get(&shard) {
+                Some(r) if r.actor.is_none() => r.token,
+                _ => return,
+            }
+        };
+        self.spawn(Fence { shard, token }).await;
+    }
+
+    /// Shards with a claimer wanted.
+    pub fn shards(&self) -> Vec<ShardId> {
+        let mut v: Vec<ShardId> = self.0.running().keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Spawns the claimer of `fence` (its entry made by the caller, who holds
+    /// `changing`); a failure is retried shortly.
+    async fn spawn(&self, fence: Fence) {
+        let Some((supervisor, retry)) = self.0.supervisor.get().cloned() else {
+            tracing::warn!(shard = %fence.shard, "no supervisor to start the claimer under");
+            return;
+        };
+        let args = ClaimerArgs {
+            fence,
+            cx: self.0.cx.clone(),
+        };
+        match Actor::spawn_linked(None, Claimer, args, supervisor).await {
+            Ok((actor, _)) => {
+                let stopped_meanwhile = {
+                    let mut running = self.0.running_mut();
+                    match running
+                        .get_mut(&fence.shard)
+                        .filter(|r| r.token == fence.token)
+                    {
+                        Some(r) => {
+                            r.actor = Some(actor);
+                            None
+                        }
+                        None => Some(actor),
+                    }
+                };
+                if let Some(actor) = stopped_meanwhile {
+                    stop(actor).await;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(shard = %fence.shard, error = %e, "could not start the claimer; retrying");
+                retry(fence.shard);
+            }
+        }
+    }
+}
+
+impl ClaimersInner {
+    fn running(&self) -> std::sync::RwLockReadGuard<'_, HashMap<ShardId, Running>> {
+        self.running.read().expect("claimers lock")
+    }
+
+    fn running_mut(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<ShardId, Running>> {
+        self.running.write().expect("claimers lock")
+    }
+}
+
+async fn stop(actor: ActorRef<ClaimerMsg>) {
+    let _ = actor
+        .stop_and_wait(
+            Some("shard handed over".into()),
+            Some(Duration::from_secs(5)),
+        )
+        .await;
 }

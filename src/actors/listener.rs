@@ -17,15 +17,15 @@
 //! error the listener reconnects with backoff and wakes the claimers once to
 //! catch up.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::{reconnect_delay, Shared};
-use crate::db;
+use super::Wake;
+use crate::store::probe::{Probe, Reading};
+use crate::store::{reconnect_delay, StoreError};
 
 /// Probe interval while rows are arriving.
 pub const PROBE_BUSY: Duration = Duration::from_millis(1);
@@ -37,19 +37,14 @@ pub const PROBE_IDLE: Duration = Duration::from_millis(10);
 const SETTLE_FOR: Duration = Duration::from_secs(1);
 const FIRST_SETTLE_WAKE: Duration = Duration::from_millis(4);
 
-/// The sequence behind `outbox.id` (an identity, also on the partitioned outbox).
-const SEQUENCE_SQL: &str = "SELECT pg_get_serial_sequence('outbox', 'id')::regclass::oid";
-
-/// The sequence's position and the cluster's transaction horizon, as text
-/// (xid8 has no binary decoding in the client), in one round trip.
-const PROBE_SQL: &str = "SELECT pg_sequence_last_value($1::oid::regclass),
-       pg_snapshot_xmin(pg_current_snapshot())::text::bigint,
-       pg_snapshot_xmax(pg_current_snapshot())::text::bigint";
-
-/// Without an id sequence: the highest visible id (a backward step on the key).
-const PROBE_MAX_ID_SQL: &str = "SELECT (SELECT max(id) FROM outbox),
-       pg_snapshot_xmin(pg_current_snapshot())::text::bigint,
-       pg_snapshot_xmax(pg_current_snapshot())::text::bigint";
+#[derive(Clone)]
+pub struct ListenerArgs {
+    /// The database, for a connection of its own.
+    pub url: String,
+    pub connect_timeout: Duration,
+    /// Wakes the claimers.
+    pub wake: Wake,
+}
 
 pub struct Listener;
 
@@ -60,15 +55,15 @@ pub struct ListenerState {
 impl Actor for Listener {
     type Msg = ();
     type State = ListenerState;
-    type Arguments = Arc<Shared>;
+    type Arguments = ListenerArgs;
 
     async fn pre_start(
         &self,
         _myself: ActorRef<()>,
-        shared: Arc<Shared>,
+        args: ListenerArgs,
     ) -> Result<ListenerState, ActorProcessingErr> {
         Ok(ListenerState {
-            task: tokio::spawn(listen_forever(shared)),
+            task: tokio::spawn(listen_forever(args)),
         })
     }
 
@@ -82,26 +77,15 @@ impl Actor for Listener {
     }
 }
 
-async fn listen_forever(shared: Arc<Shared>) {
+async fn listen_forever(args: ListenerArgs) {
     let mut failures = 0u32;
     loop {
-        if let Err(e) = listen_once(&shared, &mut failures).await {
+        if let Err(e) = listen_once(&args, &mut failures).await {
             tracing::warn!(error = %e, "outbox probe connection failed; reconnecting");
         }
         failures += 1;
         tokio::time::sleep(reconnect_delay(failures)).await;
     }
-}
-
-/// One probe's reading.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Reading {
-    /// The sequence's last value (or the highest id).
-    pub position: Option<i64>,
-    /// The oldest transaction still running.
-    pub xmin: i64,
-    /// The next transaction id to be assigned.
-    pub xmax: i64,
 }
 
 /// When to wake the claimers and how long to sleep, from successive readings.
@@ -176,53 +160,20 @@ impl Schedule {
     }
 }
 
-async fn listen_once(shared: &Shared, failures: &mut u32) -> Result<(), db::DbError> {
-    let mut config = db::parse_url(&shared.config.database.url)?;
-    config.connect_timeout(shared.config.database.connect_timeout);
-    config.application_name("outbox-relay listener");
-    let (client, connection) = config.connect(db::tls()).await?;
-    let driver = tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::debug!(error = %e, "probe connection closed");
-        }
-    });
-    let _driver = AbortOnDrop(driver);
-    let sequence: Option<u32> = client.query_one(SEQUENCE_SQL, &[]).await?.get(0);
-    let probe = match sequence {
-        Some(_) => client.prepare(PROBE_SQL).await?,
-        None => {
-            tracing::warn!("outbox.id has no sequence; probing max(id) instead");
-            client.prepare(PROBE_MAX_ID_SQL).await?
-        }
-    };
+async fn listen_once(args: &ListenerArgs, failures: &mut u32) -> Result<(), StoreError> {
+    let probe = Probe::connect(&args.url, args.connect_timeout).await?;
     *failures = 0;
     tracing::debug!("probing for new outbox rows");
     // Rows may have arrived while we were away.
-    shared.directory.wake_claimers();
+    (args.wake)();
     let mut schedule = Schedule::default();
     loop {
-        let row = match sequence {
-            Some(oid) => client.query_one(&probe, &[&oid]).await?,
-            None => client.query_one(&probe, &[]).await?,
-        };
-        let reading = Reading {
-            position: row.get(0),
-            xmin: row.get(1),
-            xmax: row.get(2),
-        };
+        let reading = probe.read().await?;
         let (wake, next) = schedule.observe(reading, Instant::now());
         if wake {
-            shared.directory.wake_claimers();
+            (args.wake)();
         }
         tokio::time::sleep(next).await;
-    }
-}
-
-struct AbortOnDrop(JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 

@@ -2,17 +2,21 @@
 //! one route) through its sink and sends one outcome per row to the marker:
 //! published, retry after a jittered backoff, or dead.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use super::claimer::send_to_marker;
-use super::{Lease, Mark, Marked, Shared};
+use super::inflight::Lease;
+use super::marker::{Mark, Marked, MarkerPort};
+use super::ownership::Ownership;
+use crate::backoff::Backoff;
 use crate::metrics as m;
-use crate::row::OutboxRow;
+use crate::routes::Router;
 use crate::sink::breaker::{self, Admit};
-use crate::sink::{DeadReason, Outcome, RetryReason};
+use crate::sink::{DeadReason, Outcome, RetryReason, Sinks};
+use outbox_client::row::OutboxRow;
 
 #[derive(Debug)]
 pub enum PublisherMsg {
@@ -24,26 +28,81 @@ pub enum PublisherMsg {
     },
 }
 
+/// The pool of publishers, round robin; the supervisor puts each new
+/// publisher in its place.
+#[derive(Clone)]
+pub struct Publishers(Arc<PublishersInner>);
+
+struct PublishersInner {
+    slots: RwLock<Vec<Option<ActorRef<PublisherMsg>>>>,
+    next: AtomicUsize,
+}
+
+impl Publishers {
+    pub fn new(n: usize) -> Publishers {
+        Publishers(Arc::new(PublishersInner {
+            slots: RwLock::new(vec![None; n]),
+            next: AtomicUsize::new(0),
+        }))
+    }
+
+    /// The next live publisher, round robin.
+    pub fn next(&self) -> Option<ActorRef<PublisherMsg>> {
+        let slots = self.0.slots.read().expect("publishers lock");
+        let n = slots.len();
+        let start = self.0.next.fetch_add(1, Ordering::Relaxed);
+        (0..n).find_map(|i| slots[(start + i) % n].clone())
+    }
+
+    pub fn all(&self) -> Vec<ActorRef<PublisherMsg>> {
+        let slots = self.0.slots.read().expect("publishers lock");
+        slots.iter().flatten().cloned().collect()
+    }
+
+    pub(crate) fn set(&self, index: usize, actor: Option<ActorRef<PublisherMsg>>) {
+        self.0.slots.write().expect("publishers lock")[index] = actor;
+    }
+}
+
+/// How failed attempts are retried.
+#[derive(Debug, Clone)]
+pub struct RetryPolicy {
+    pub backoff: Backoff,
+    /// The attempt that reaches this count and fails dead-letters the row.
+    pub max_attempts: u32,
+}
+
 pub struct Publisher;
 
+pub struct PublisherArgs {
+    pub sinks: Arc<Sinks>,
+    pub router: Arc<Router>,
+    pub retry: RetryPolicy,
+    pub ownership: Arc<Ownership>,
+    /// A row is sent only when its lease outlasts a whole request.
+    pub request_timeout: Duration,
+    pub marker: MarkerPort,
+    pub hooks: super::Hooks,
+}
+
 pub struct PublisherState {
-    shared: Arc<Shared>,
+    args: Arc<PublisherArgs>,
     rng: rand::rngs::StdRng,
 }
 
 impl Actor for Publisher {
     type Msg = PublisherMsg;
     type State = PublisherState;
-    type Arguments = Arc<Shared>;
+    type Arguments = Arc<PublisherArgs>;
 
     async fn pre_start(
         &self,
         _myself: ActorRef<PublisherMsg>,
-        shared: Arc<Shared>,
+        args: Arc<PublisherArgs>,
     ) -> Result<PublisherState, ActorProcessingErr> {
         use rand::SeedableRng;
         Ok(PublisherState {
-            shared,
+            args,
             rng: rand::rngs::StdRng::from_os_rng(),
         })
     }
@@ -59,8 +118,8 @@ impl Actor for Publisher {
             rows,
             leases,
         } = msg;
-        let shared = Arc::clone(&state.shared);
-        if let Some(panics_on) = &shared.hooks.publisher_panics_on {
+        let args = Arc::clone(&state.args);
+        if let Some(panics_on) = &args.hooks.publisher_panics_on {
             if let Some(row) = rows.iter().find(|r| panics_on(r)) {
                 panic!("injected publisher fault on row {}", row.id);
             }
@@ -70,15 +129,15 @@ impl Actor for Publisher {
         // publishing it now would only make a duplicate whose mark is refused
         // (and, for an ordered key, could reach the destination after a later
         // event). Drop it; its new claim (or the next) delivers it.
-        let (rows, leases) = drop_expired(&shared, rows, leases);
+        let (rows, leases) = drop_expired(&args, rows, leases);
         if rows.is_empty() {
             return Ok(());
         }
-        let route = &shared.router.routes()[route];
-        let breaker = shared.sinks.breakers.route(route.index);
+        let route = &args.router.routes()[route];
+        let breaker = args.sinks.breakers.route(route.index);
         let (outcomes, paused) = match breaker.admit(Instant::now()) {
             Admit::Send => {
-                let outcomes = shared.sinks.deliver(route, &rows).await;
+                let outcomes = args.sinks.deliver(route, &rows).await;
                 let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
                 let paused = breaker.record(breaker::health(&outcomes), &ids, Instant::now());
                 (Some(outcomes), paused)
@@ -92,13 +151,13 @@ impl Actor for Publisher {
             .map(|(row, lease)| {
                 let outcome = outcomes.as_mut().and_then(Iterator::next);
                 Marked {
-                    mark: decide(&shared, row, &lease, outcome, &paused, &mut state.rng),
+                    mark: decide(&args.retry, row, &lease, outcome, &paused, &mut state.rng),
                     route: Some(route.index),
                     lease,
                 }
             })
             .collect();
-        send_to_marker(&shared, marked);
+        args.marker.send(marked);
         Ok(())
     }
 }
@@ -111,13 +170,13 @@ impl Actor for Publisher {
 /// or at the shard's next owner) takes them at once. (A release the database
 /// refuses, because the lease or the shard moved on, changes nothing.)
 fn drop_expired(
-    shared: &Shared,
+    args: &PublisherArgs,
     rows: Vec<OutboxRow>,
     leases: Vec<Lease>,
 ) -> (Vec<OutboxRow>, Vec<Lease>) {
-    let cutoff = std::time::Instant::now() + shared.config.http.request_timeout;
-    let ownership = &shared.ownership;
-    let keep = |lease: &Lease| lease.expires > cutoff && ownership.holds(lease.shard, lease.token);
+    let cutoff = std::time::Instant::now() + args.request_timeout;
+    let ownership = &args.ownership;
+    let keep = |lease: &Lease| lease.expires > cutoff && ownership.holds(lease.fence());
     if leases.iter().all(keep) {
         return (rows, leases);
     }
@@ -127,7 +186,7 @@ fn drop_expired(
         .partition(|(_, lease)| keep(lease));
     let not_ours = dropped
         .iter()
-        .filter(|(_, l)| !ownership.holds(l.shard, l.token))
+        .filter(|(_, l)| !ownership.holds(l.fence()))
         .count();
     if not_ours > 0 {
         tracing::info!(
@@ -149,7 +208,7 @@ fn drop_expired(
             route: None,
         })
         .collect();
-    send_to_marker(shared, released);
+    args.marker.send(released);
     kept.into_iter().unzip()
 }
 
@@ -159,7 +218,7 @@ fn drop_expired(
 /// rather than for itself, is deferred without counting the attempt.
 /// (Counting happens in the marker, for the rows whose mark the database took.)
 fn decide(
-    shared: &Shared,
+    retry: &RetryPolicy,
     row: &OutboxRow,
     lease: &Lease,
     outcome: Option<Outcome>,
@@ -203,13 +262,14 @@ fn decide(
             reason,
             error,
         } => {
-            let max = shared.config.relay.max_attempts;
-            if lease.attempt as u32 >= max {
-                let error = format!("attempt {} of {max} failed: {error}", lease.attempt);
+            let max = retry.max_attempts;
+            let attempt = lease.attempt();
+            if attempt as u32 >= max {
+                let error = format!("attempt {attempt} of {max} failed: {error}");
                 dead(row, DeadReason::Exhausted, error)
             } else {
-                let delay = shared.backoff.next(lease.attempt as u32, after, rng);
-                tracing::debug!(id = row.id, attempt = lease.attempt, ?delay, %error, "retry");
+                let delay = retry.backoff.next(attempt as u32, after, rng);
+                tracing::debug!(id = row.id, attempt, ?delay, %error, "retry");
                 Mark::Retry {
                     delay,
                     reason,

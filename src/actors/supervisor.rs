@@ -1,10 +1,10 @@
 //! Supervisor: owns the tree. Spawns every child linked, restarts a failed
 //! child with the same arguments after a backoff (ractor restarts nothing by
 //! itself), counts restarts, and gives up when a child exhausts its restart
-//! budget. Claimers run for the shards the coordinator holds: it asks for them
-//! to be started and stopped. Shutdown runs here: claimers stop first,
-//! in-flight work gets the grace period, the marker flushes, undelivered
-//! leases are released, and the shard leases are given back last.
+//! budget. Claimers run for the shards the coordinator holds: it starts and
+//! stops them through [`Claimers`], and the supervisor restarts one that
+//! crashed while its shard is still held. Shutdown runs here: the tenures are
+//! wound down ([`Winddown::all`]), then the shard leases are given back.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -12,19 +12,21 @@ use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 
-use super::claimer::{Claimer, ClaimerArgs};
+use super::claimer::Claimers;
 use super::coordinator::{Coordinator, CoordinatorArgs, CoordinatorMsg};
-use super::listener::Listener;
-use super::marker::{Marker, MarkerMsg, FLUSH_TIMEOUT};
-use super::publisher::Publisher;
-use super::{CountersSnapshot, Shared};
+use super::listener::{Listener, ListenerArgs};
+use super::marker::{Marker, MarkerArgs, MarkerPort, FLUSH_TIMEOUT};
+use super::publisher::{Publisher, PublisherArgs, Publishers};
+use super::winddown::Winddown;
+use super::{Counters, CountersSnapshot};
 use crate::metrics as m;
+use crate::store::ShardId;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Child {
     Marker,
-    Publisher(u32),
-    Claimer(u32),
+    Publisher(usize),
+    Claimer(ShardId),
     Listener,
     Coordinator,
 }
@@ -43,19 +45,6 @@ impl Child {
 
 pub enum SupervisorMsg {
     Respawn(Child),
-    /// The coordinator took `shard` under `token`: run its claimer.
-    StartClaimer {
-        shard: u32,
-        token: i64,
-    },
-    /// The shard's tenure under `token` is being handed over or was lost:
-    /// stop its claimer (and reply once it has stopped, when asked to). A
-    /// claimer of a newer tenure of the same shard is left running.
-    StopClaimer {
-        shard: u32,
-        token: i64,
-        reply: Option<RpcReplyPort<()>>,
-    },
     Shutdown(RpcReplyPort<ShutdownReport>),
     /// How many times each kind of child was restarted.
     Restarts(RpcReplyPort<HashMap<&'static str, u64>>),
@@ -71,39 +60,73 @@ pub struct ShutdownReport {
     pub counters: CountersSnapshot,
 }
 
+/// How often a child may fail before the relay gives up.
+#[derive(Debug, Clone, Copy)]
+pub struct RestartBudget {
+    /// Restarts allowed within `window`...
+    pub max: u32,
+    pub window: Duration,
+}
+
+/// Everything the tree is made of: each child's arguments (cloned for each
+/// start) and the handles that point at the live children.
+pub struct SupervisorArgs {
+    pub marker: MarkerArgs,
+    pub marker_port: MarkerPort,
+    pub publisher: Arc<PublisherArgs>,
+    pub publishers: Publishers,
+    pub publisher_count: usize,
+    pub listener: ListenerArgs,
+    pub coordinator: CoordinatorArgs,
+    pub claimers: Claimers,
+    pub winddown: Winddown,
+    pub budget: RestartBudget,
+    /// On shutdown, in-flight publishes get this long to finish (at least
+    /// until every request has ended).
+    pub shutdown_grace: Duration,
+    pub counters: Arc<Counters>,
+}
+
 pub struct Supervisor;
 
 pub struct SupervisorState {
-    shared: Arc<Shared>,
+    args: SupervisorArgs,
     children: HashMap<ActorId, Child>,
+    coordinator: Option<ActorRef<CoordinatorMsg>>,
     recent: HashMap<Child, VecDeque<Instant>>,
     restarts: HashMap<&'static str, u64>,
-    /// Shards whose claimers should run, with their fencing tokens.
-    claim_tokens: HashMap<u32, i64>,
     stopping: bool,
 }
 
 impl Actor for Supervisor {
     type Msg = SupervisorMsg;
     type State = SupervisorState;
-    type Arguments = Arc<Shared>;
+    type Arguments = SupervisorArgs;
 
     async fn pre_start(
         &self,
         myself: ActorRef<SupervisorMsg>,
-        shared: Arc<Shared>,
+        args: SupervisorArgs,
     ) -> Result<SupervisorState, ActorProcessingErr> {
+        let retry = {
+            let myself = myself.clone();
+            Arc::new(move |shard| {
+                myself.send_after(Duration::from_millis(100), move || {
+                    SupervisorMsg::Respawn(Child::Claimer(shard))
+                });
+            })
+        };
+        args.claimers.attach(myself.get_cell(), retry);
         let mut state = SupervisorState {
             children: HashMap::new(),
+            coordinator: None,
             recent: HashMap::new(),
             restarts: HashMap::new(),
-            claim_tokens: HashMap::new(),
             stopping: false,
-            shared,
+            args,
         };
-        let relay = &state.shared.config.relay;
         let mut all = vec![Child::Marker];
-        all.extend((0..relay.publishers).map(Child::Publisher));
+        all.extend((0..state.args.publisher_count).map(Child::Publisher));
         all.push(Child::Listener);
         // Claimers start as the coordinator takes shards.
         all.push(Child::Coordinator);
@@ -130,12 +153,6 @@ impl Actor for Supervisor {
                 if state.stopping {
                     return Ok(());
                 }
-                if let Child::Claimer(shard) = child {
-                    if !state.claim_tokens.contains_key(&shard) {
-                        // The shard was handed over or lost meanwhile.
-                        return Ok(());
-                    }
-                }
                 match spawn(&myself, state, child).await {
                     Ok(()) => tracing::info!(actor = child.label(), "restarted"),
                     Err(e) => {
@@ -143,32 +160,6 @@ impl Actor for Supervisor {
                         tracing::warn!(actor = child.label(), error = %e, retry_in = ?delay, "restart failed; retrying");
                         myself.send_after(delay, move || SupervisorMsg::Respawn(child));
                     }
-                }
-            }
-            SupervisorMsg::StartClaimer { shard, token } => {
-                if state.stopping {
-                    return Ok(());
-                }
-                stop_claimer(state, shard).await;
-                state.claim_tokens.insert(shard, token);
-                if let Err(e) = spawn(&myself, state, Child::Claimer(shard)).await {
-                    tracing::warn!(shard, error = %e, "could not start the claimer; retrying");
-                    myself.send_after(Duration::from_millis(100), move || {
-                        SupervisorMsg::Respawn(Child::Claimer(shard))
-                    });
-                }
-            }
-            SupervisorMsg::StopClaimer {
-                shard,
-                token,
-                reply,
-            } => {
-                if state.claim_tokens.get(&shard) == Some(&token) {
-                    state.claim_tokens.remove(&shard);
-                    stop_claimer(state, shard).await;
-                }
-                if let Some(reply) = reply {
-                    let _ = reply.send(());
                 }
             }
             SupervisorMsg::Shutdown(reply) => {
@@ -198,33 +189,38 @@ impl Actor for Supervisor {
             ),
             _ => return Ok(()),
         };
-        let Some(child) = state.children.remove(&id) else {
-            return Ok(());
+        let child = match state.children.remove(&id) {
+            Some(child) => child,
+            None => match state.args.claimers.shard_of(id) {
+                // A claimer that stopped by itself or crashed (the ones the
+                // coordinator stops leave the claimers' table first).
+                Some(shard) => Child::Claimer(shard),
+                None => return Ok(()),
+            },
         };
-        forget(&state.shared, child);
+        forget(state, child);
         if state.stopping {
             return Ok(());
         }
         tracing::error!(actor = child.label(), reason = %why, "actor died; its rows' leases will expire");
         m::count_actor_restart(child.label());
         *state.restarts.entry(child.label()).or_default() += 1;
-        let window = state.shared.config.relay.restart_window;
-        let budget = state.shared.config.relay.max_restarts as usize;
+        let budget = state.args.budget;
         let recent = state.recent.entry(child).or_default();
         let now = Instant::now();
         recent.push_back(now);
         while recent
             .front()
-            .is_some_and(|t| now.duration_since(*t) > window)
+            .is_some_and(|t| now.duration_since(*t) > budget.window)
         {
             recent.pop_front();
         }
-        if recent.len() > budget {
+        if recent.len() > budget.max as usize {
             let reason = format!(
                 "{} restarted {} times within {:?}: giving up",
                 child.label(),
                 recent.len(),
-                window
+                budget.window
             );
             tracing::error!("{reason}");
             myself.stop(Some(reason));
@@ -247,47 +243,34 @@ async fn spawn(
     state: &mut SupervisorState,
     child: Child,
 ) -> Result<(), ractor::SpawnErr> {
-    let shared = Arc::clone(&state.shared);
     let cell = myself.get_cell();
+    let args = &state.args;
     let id = match child {
         Child::Marker => {
-            let (actor, _) = Actor::spawn_linked(None, Marker, shared.clone(), cell).await?;
-            shared.directory.set_marker(Some(actor.clone()));
+            let (actor, _) = Actor::spawn_linked(None, Marker, args.marker.clone(), cell).await?;
+            args.marker_port.slot().set(Some(actor.clone()));
             actor.get_id()
         }
         Child::Publisher(i) => {
-            let (actor, _) = Actor::spawn_linked(None, Publisher, shared.clone(), cell).await?;
-            shared
-                .directory
-                .set_publisher(i as usize, Some(actor.clone()));
+            let (actor, _) =
+                Actor::spawn_linked(None, Publisher, Arc::clone(&args.publisher), cell).await?;
+            args.publishers.set(i, Some(actor.clone()));
             actor.get_id()
         }
         Child::Claimer(shard) => {
-            let Some(&token) = state.claim_tokens.get(&shard) else {
-                return Ok(());
-            };
-            let args = ClaimerArgs {
-                shard,
-                token,
-                shared: shared.clone(),
-            };
-            let (actor, _) = Actor::spawn_linked(None, Claimer, args, cell).await?;
-            shared
-                .directory
-                .set_claimer(shard as usize, Some(actor.clone()));
-            actor.get_id()
+            // Only if its shard is still held; the claimers' table knows it.
+            args.claimers.respawn(shard).await;
+            return Ok(());
         }
         Child::Listener => {
-            let (actor, _) = Actor::spawn_linked(None, Listener, shared.clone(), cell).await?;
+            let (actor, _) =
+                Actor::spawn_linked(None, Listener, args.listener.clone(), cell).await?;
             actor.get_id()
         }
         Child::Coordinator => {
-            let args = CoordinatorArgs {
-                shared: shared.clone(),
-                supervisor: myself.clone(),
-            };
-            let (actor, _) = Actor::spawn_linked(None, Coordinator, args, cell).await?;
-            shared.directory.set_coordinator(Some(actor.clone()));
+            let (actor, _) =
+                Actor::spawn_linked(None, Coordinator, args.coordinator.clone(), cell).await?;
+            state.coordinator = Some(actor.clone());
             actor.get_id()
         }
     };
@@ -295,104 +278,48 @@ async fn spawn(
     Ok(())
 }
 
-fn forget(shared: &Shared, child: Child) {
+fn forget(state: &mut SupervisorState, child: Child) {
     match child {
-        Child::Marker => shared.directory.set_marker(None),
-        Child::Publisher(i) => shared.directory.set_publisher(i as usize, None),
-        Child::Claimer(shard) => shared.directory.set_claimer(shard as usize, None),
+        Child::Marker => state.args.marker_port.slot().set(None),
+        Child::Publisher(i) => state.args.publishers.set(i, None),
+        Child::Claimer(shard) => state.args.claimers.died(shard),
         Child::Listener => {}
-        Child::Coordinator => shared.directory.set_coordinator(None),
+        Child::Coordinator => state.coordinator = None,
     }
-}
-
-/// Stops the shard's claimer, if one runs, without restarting it.
-async fn stop_claimer(state: &mut SupervisorState, shard: u32) {
-    let Some(actor) = state.shared.directory.claimer(shard as usize) else {
-        return;
-    };
-    state.children.remove(&actor.get_id());
-    state.shared.directory.set_claimer(shard as usize, None);
-    let _ = actor
-        .stop_and_wait(
-            Some("shard handed over".into()),
-            Some(Duration::from_secs(5)),
-        )
-        .await;
 }
 
 async fn shutdown(state: &mut SupervisorState) -> ShutdownReport {
-    let shared = Arc::clone(&state.shared);
-    // 0. Take no more shards (leases keep being renewed until step 4).
-    let coordinator = shared.directory.coordinator();
+    // 0. Take no more shards (leases keep being renewed until step 2).
+    let coordinator = state.coordinator.clone();
     if let Some(c) = &coordinator {
         let _ = c.cast(CoordinatorMsg::Stopping);
     }
-    // 1. Stop claiming.
-    for claimer in shared.directory.claimers() {
-        let _ = claimer
-            .stop_and_wait(Some("shutdown".into()), Some(Duration::from_secs(5)))
-            .await;
-    }
-    // 2. No request starts from here (rows not yet sent are put back); the
-    //    ones under way and their marks get the grace period, and at least
-    //    until every request has ended, so no row is released (and taken by
-    //    another replica) while its request may still reach the destination.
-    shared.ownership.stop_sending(None, None);
-    let grace = shared
-        .config
-        .relay
-        .shutdown_grace
-        .max(super::requests_end_within(&shared.config));
-    let deadline = Instant::now() + grace;
-    while shared.in_flight_count() > 0 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let in_flight_at_deadline = shared.in_flight.len();
-    // 3. Flush what the marker holds, then give back the leases of rows that
-    //    were never delivered, so another relay takes them at once.
-    let mut released = 0;
-    if let Some(marker) = shared.directory.marker() {
-        if !matches!(
-            marker.call(MarkerMsg::FlushNow, Some(FLUSH_TIMEOUT)).await,
-            Ok(ractor::rpc::CallResult::Success(()))
-        ) {
-            tracing::warn!("shutdown: the marker did not confirm its last flush; unmarked rows will be claimed again when their leases expire");
-        }
-        let rest = shared.in_flight.snapshot();
-        if !rest.is_empty() {
-            let rows = rest.len();
-            match marker
-                .call(|reply| MarkerMsg::Release(rest, reply), Some(FLUSH_TIMEOUT))
-                .await
-            {
-                Ok(ractor::rpc::CallResult::Success(n)) => released = n,
-                _ => tracing::warn!(
-                    rows,
-                    "shutdown: could not release the leases of undelivered rows; they are claimed again when the leases expire"
-                ),
-            }
-        }
-    }
-    // 4. Give the shard leases back: the other replicas take them at once.
+    // 1. Stop claiming; no request starts from here (rows not yet sent are
+    //    put back); the ones under way and their marks get the grace period,
+    //    and at least until every request has ended, so no row is released
+    //    (and taken by another replica) while its request may still reach the
+    //    destination; what was answered is written, the rest released.
+    let wound = state.args.winddown.all(state.args.shutdown_grace).await;
+    // 2. Give the shard leases back: the other replicas take them at once.
     if let Some(c) = &coordinator {
         let _ = c.call(CoordinatorMsg::Leave, Some(FLUSH_TIMEOUT)).await;
         let _ = c
             .stop_and_wait(Some("shutdown".into()), Some(Duration::from_secs(5)))
             .await;
     }
-    // 5. Everything else. Publishers still waiting on a destination are cut off:
+    // 3. Everything else. Publishers still waiting on a destination are cut off:
     //    their rows were released above.
-    for publisher in shared.directory.publishers() {
+    for publisher in state.args.publishers.all() {
         publisher.kill();
     }
-    if let Some(marker) = shared.directory.marker() {
+    if let Some(marker) = state.args.marker_port.slot().get() {
         let _ = marker
             .stop_and_wait(Some("shutdown".into()), Some(Duration::from_secs(5)))
             .await;
     }
     ShutdownReport {
-        in_flight_at_deadline,
-        released,
-        counters: shared.counters.snapshot(),
+        in_flight_at_deadline: wound.in_flight_at_deadline,
+        released: wound.released,
+        counters: state.args.counters.snapshot(),
     }
 }

@@ -5,9 +5,9 @@ use std::path::Path;
 use std::time::Duration;
 
 use crate::config::Config;
-use crate::db;
-use crate::ops::partitions::{self, MaintainOptions, MaintainReport, PartitionAction};
-use crate::ops::prune::{prune, PruneOptions, PruneReport, TablePrune};
+use crate::store;
+use crate::store::partitions::{self, MaintainOptions, MaintainReport, PartitionAction};
+use crate::store::retention::{prune, PruneOptions, PruneReport, TablePrune};
 
 #[derive(Debug, clap::Args)]
 pub struct PruneArgs {
@@ -29,7 +29,7 @@ pub struct PruneArgs {
 /// `config`: the `--config` file; `database.url` and `janitor.batch` are read.
 pub async fn run_prune(args: PruneArgs, config: Option<&Path>) -> anyhow::Result<()> {
     let config = Config::load(config)?;
-    let client = db::connect(&config.database.url).await?;
+    let client = store::connect(&config.database.url).await?;
     let options = PruneOptions {
         published_older_than: args.older_than,
         processed_older_than: args.processed_older_than,
@@ -106,7 +106,7 @@ pub async fn run_partitions(
     let config = Config::load(config)?;
     match command {
         PartitionsCommand::Init { ahead } => {
-            let mut client = db::connect(&config.database.url).await?;
+            let mut client = store::connect(&config.database.url).await?;
             let report = partitions::init(&mut client, ahead).await?;
             println!(
                 "the outbox is now partitioned by day; {} partitions created",
@@ -121,7 +121,7 @@ pub async fn run_partitions(
             batch,
             json,
         } => {
-            let mut client = db::connect(&config.database.url).await?;
+            let mut client = store::connect(&config.database.url).await?;
             let options = MaintainOptions {
                 ahead_days: ahead,
                 retain,
@@ -136,7 +136,7 @@ pub async fn run_partitions(
             }
         }
         PartitionsCommand::List => {
-            let client = db::connect(&config.database.url).await?;
+            let client = store::connect(&config.database.url).await?;
             for (name, day) in partitions::list(&client).await? {
                 println!("{name}\t{day}");
             }

@@ -8,8 +8,8 @@ use std::time::Duration;
 use comfy_table::{presets::UTF8_FULL_CONDENSED, CellAlignment, Table};
 
 use crate::config::Config;
-use crate::db;
-use crate::ops::stats::{stats, Stats};
+use crate::store;
+use crate::store::stats::{stats, Stats};
 
 #[derive(Debug, clap::Args)]
 pub struct StatsArgs {
@@ -24,7 +24,7 @@ pub struct StatsArgs {
 /// `config`: the `--config` file; only `database.url` is read.
 pub async fn run(args: StatsArgs, config: Option<&Path>) -> anyhow::Result<()> {
     let config = Config::load(config)?;
-    let mut client = db::connect(&config.database.url).await?;
+    let mut client = store::connect(&config.database.url).await?;
     let Some(every) = args.watch else {
         let report = stats(&mut client).await?;
         println!("{}", render(&report, args.json)?);

@@ -26,10 +26,10 @@ use base64::Engine;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde::Deserialize;
 use tokio::sync::Semaphore;
-use tokio_postgres::types::Type;
 
-use crate::consumer::qstash::{SignatureError, Verifier};
-use crate::db::{self, Pool};
+use crate::store::outbox::ReportedDead;
+use crate::store::{Store, StoreError};
+use outbox_client::consumer::qstash::{SignatureError, Verifier};
 
 pub const FAILURE_PATH: &str = "/qstash/failure";
 
@@ -64,20 +64,6 @@ const KEY_HEADERS: &[&str] = &["x-outbox-idempotency-key", "upstash-deduplicatio
 // replaced never touches the row again. A second report for the same attempt
 // (QStash retries callbacks) keeps the first dead-letter time. Answers the
 // row's current key and whether it was marked; no row when the id is unknown.
-const MARK_DEAD: &str = "WITH target AS (
-    SELECT id, idempotency_key, published_at FROM outbox WHERE id = $1
-), marked AS (
-    UPDATE outbox o
-    SET dead_lettered_at = coalesce(o.dead_lettered_at, now()),
-        last_error = $2,
-        locked_until = NULL
-    FROM target t
-    WHERE o.id = t.id AND t.idempotency_key = $3 AND t.published_at IS NOT NULL
-    RETURNING o.id
-)
-SELECT t.idempotency_key, t.published_at IS NOT NULL, EXISTS (SELECT 1 FROM marked)
-FROM target t";
-
 /// How the listener guards itself before a report is verified.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CallbackOptions {
@@ -116,30 +102,34 @@ impl CallbackOptions {
 /// connection limits of `options` (the report limits are the router's).
 pub async fn serve(
     addr: std::net::SocketAddr,
-    pool: Pool,
+    store: Store,
     verifier: Verifier,
     options: CallbackOptions,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)> {
     let (max_connections, idle_timeout) = (options.max_connections, options.idle_timeout);
-    let router = failure_callback_router(pool, verifier, options);
+    let router = failure_callback_router(store, verifier, options);
     super::guarded::serve(addr, router, max_connections, idle_timeout, shutdown).await
 }
 
 struct CallbackState {
-    pool: Pool,
+    store: Store,
     verifier: Verifier,
     options: CallbackOptions,
     slots: Arc<Semaphore>,
 }
 
 /// `POST /qstash/failure`.
-pub fn failure_callback_router(pool: Pool, verifier: Verifier, options: CallbackOptions) -> Router {
+pub fn failure_callback_router(
+    store: Store,
+    verifier: Verifier,
+    options: CallbackOptions,
+) -> Router {
     let slots = Arc::new(Semaphore::new(options.max_concurrent.max(1)));
     Router::new()
         .route(FAILURE_PATH, post(failure_callback))
         .with_state(Arc::new(CallbackState {
-            pool,
+            store,
             verifier,
             options,
             slots,
@@ -197,7 +187,7 @@ enum Rejection {
     UnknownRow(i64),
     /// The report is about an attempt the row no longer is on.
     Stale(String),
-    Database(db::DbError),
+    Database(StoreError),
 }
 
 impl IntoResponse for Rejection {
@@ -276,37 +266,30 @@ async fn record_failure(state: &CallbackState, request: Request) -> Result<i64, 
     let (parts, body) = request.into_parts();
     let body = read_verified(state, &parts.headers, body).await?;
     let report = parse_failure_report(&body).map_err(|e| Rejection::BadReport(e.0))?;
-    let conn = state
-        .pool
-        .get()
-        .await
-        .map_err(|e| Rejection::Database(e.into()))?;
-    let row = conn
-        .query_typed_opt(
-            MARK_DEAD,
-            &[
-                (&report.outbox_id, Type::INT8),
-                (&report.last_error, Type::TEXT),
-                (&report.deduplication_id, Type::TEXT),
-            ],
+    let marked = state
+        .store
+        .reported_dead(
+            report.outbox_id,
+            &report.last_error,
+            &report.deduplication_id,
         )
         .await
-        .map_err(|e| Rejection::Database(e.into()))?
-        .ok_or(Rejection::UnknownRow(report.outbox_id))?;
-    let (current, published, marked): (String, bool, bool) = (row.get(0), row.get(1), row.get(2));
-    if !marked {
-        return Err(Rejection::Stale(if current != report.deduplication_id {
-            format!(
+        .map_err(Rejection::Database)?;
+    match marked {
+        ReportedDead::Marked => {}
+        ReportedDead::Unknown => return Err(Rejection::UnknownRow(report.outbox_id)),
+        ReportedDead::Replaced { current } => {
+            return Err(Rejection::Stale(format!(
                 "outbox row {} is now on deduplication id {current:?}, the report is about {:?}: not marked",
                 report.outbox_id, report.deduplication_id
-            )
-        } else {
-            debug_assert!(!published);
-            format!(
+            )))
+        }
+        ReportedDead::NotPublished => {
+            return Err(Rejection::Stale(format!(
                 "outbox row {} is not published under {:?} yet: not marked",
                 report.outbox_id, report.deduplication_id
-            )
-        }));
+            )))
+        }
     }
     tracing::info!(
         id = report.outbox_id,

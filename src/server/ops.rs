@@ -13,8 +13,11 @@ use axum::{Json, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Serialize;
 
+use metrics::gauge;
+
 use crate::actors::Counters;
-use crate::db;
+use crate::store::stats::Snapshot;
+use crate::store::Store;
 
 /// What `/readyz` last learned, refreshed by [`sample_forever`].
 #[derive(Debug, Clone, Serialize)]
@@ -111,7 +114,7 @@ where
 /// readiness: is the database reachable, and is delivery moving? Not ready when the oldest pending row is older than `max_pending_age` and
 /// nothing was delivered since the previous check.
 pub async fn sample_forever(
-    pool: db::Pool,
+    store: Store,
     counters: Arc<Counters>,
     readiness: Arc<Mutex<Readiness>>,
     interval: Duration,
@@ -124,17 +127,11 @@ pub async fn sample_forever(
         let now_delivered = delivered(&counters);
         let progress = now_delivered - last_delivered;
         last_delivered = now_delivered;
-        let sampled = tokio::time::timeout(interval.max(Duration::from_secs(2)), async {
-            let client = pool.get().await.map_err(db::DbError::from)?;
-            let snapshot = crate::ops::stats::snapshot(&*client)
-                .await
-                .map_err(db::DbError::from)?;
-            Ok::<_, db::DbError>(snapshot)
-        })
-        .await;
+        let sampled =
+            tokio::time::timeout(interval.max(Duration::from_secs(2)), store.snapshot()).await;
         let next = match sampled {
             Ok(Ok(snapshot)) => {
-                crate::metrics::record_snapshot(&snapshot);
+                record_snapshot(&snapshot);
                 let age = snapshot.oldest_pending_age_seconds;
                 let stalled = age > max_pending_age.as_secs_f64() && progress == 0;
                 Readiness {
@@ -174,4 +171,15 @@ fn unreachable_db(reason: String, progress: u64) -> Readiness {
 fn delivered(c: &Counters) -> u64 {
     use std::sync::atomic::Ordering::Relaxed;
     c.published.load(Relaxed) + c.dead_lettered.load(Relaxed)
+}
+
+/// Sets the gauges sampled from the database.
+fn record_snapshot(s: &Snapshot) {
+    use crate::metrics::names;
+    gauge!(names::BACKLOG).set(s.backlog as f64);
+    gauge!(names::OLDEST_PENDING_AGE_SECONDS).set(s.oldest_pending_age_seconds);
+    gauge!(names::DEAD_LETTERS).set(s.dead_letters as f64);
+    gauge!(names::FLAPPING).set(s.flapping as f64);
+    gauge!(names::STUCK_LEASES).set(s.stuck_leases as f64);
+    gauge!(names::OUTBOX_DEAD_TUPLES).set(s.outbox_dead_tuples as f64);
 }

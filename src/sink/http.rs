@@ -140,3 +140,14 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     }
     text
 }
+
+/// Records how long a sink request took (a timeout counts as its limit).
+pub fn record_request(sink: &'static str, result: &Result<Response, TransportError>) {
+    let elapsed = match result {
+        Ok(r) => r.elapsed,
+        Err(TransportError::Timeout(d)) => *d,
+        Err(_) => return,
+    };
+    metrics::histogram!(crate::metrics::PUBLISH_DURATION, "sink" => sink)
+        .record(elapsed.as_secs_f64());
+}

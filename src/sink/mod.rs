@@ -9,10 +9,11 @@ pub mod webhook;
 
 use std::time::{Duration, SystemTime};
 
+use outbox_client::row::OutboxRow;
+
 use crate::backoff::parse_retry_after;
 use crate::config::{BodyShape, SinkKind};
 use crate::routes::{Route, TemplateValues};
-use crate::row::OutboxRow;
 
 pub use self::http::{HttpClient, Response, TransportError};
 
@@ -283,7 +284,7 @@ pub struct Sinks {
     pub client: HttpClient,
     pub qstash: qstash::QstashSink,
     pub max_message_bytes: usize,
-    pub breakers: breaker::Breakers,
+    pub breakers: std::sync::Arc<breaker::Breakers>,
 }
 
 impl Sinks {

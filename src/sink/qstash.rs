@@ -8,14 +8,13 @@ use futures_util::future::join_all;
 use http::header::{AUTHORIZATION, CONTENT_TYPE};
 use http::{HeaderValue, Method, Request};
 use http_body_util::Full;
+use outbox_client::row::OutboxRow;
 use serde::Serialize;
 
 use super::http::HttpClient;
 use super::{classify, transport_outcome, DeadReason, Outcome, RetryReason, MAX_ERROR_CHARS};
 use crate::config::{HttpConfig, PublishMode, QstashConfig};
-use crate::metrics;
 use crate::routes::Route;
-use crate::row::OutboxRow;
 
 /// One message as QStash takes it: destination, lower-case headers, body.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -234,7 +233,7 @@ impl QstashSink {
                 Err(outcome) => return outcome,
             };
             let result = client.send(request).await;
-            metrics::record_request("qstash_publish", &result);
+            super::http::record_request("qstash_publish", &result);
             match result {
                 Ok(response) => match classify_qstash(&response) {
                     Outcome::Published => publish_outcome(&response),
@@ -250,7 +249,7 @@ impl QstashSink {
         let result = client
             .send_reading(self.batch_request(messages), self.batch_answer_bytes)
             .await;
-        metrics::record_request("qstash_batch", &result);
+        super::http::record_request("qstash_batch", &result);
         let response = match result {
             Ok(r) => r,
             Err(e) => return vec![transport_outcome(&e); messages.len()],

@@ -6,9 +6,9 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use outbox_client::{enqueue_many, NewEvent};
 use outbox_relay::config::Config;
-use outbox_relay::db::{self, migrate, Pool};
-use outbox_relay::{enqueue_many, NewEvent};
+use outbox_relay::store::{self, migrate, Pool};
 use outbox_testkit::relay::{Output, RelayCommand, RelayProcess, RelayProgram};
 use outbox_testkit::sink::{Sink, SinkConfig, SinkHandle};
 use outbox_testkit::TestDb;
@@ -29,7 +29,7 @@ pub async fn test_db() -> TestDb {
 
 /// The relay's pool of `size` connections to `db`.
 pub fn pool(db: &TestDb, size: u32) -> Pool {
-    db::pool(&db.url, size, Duration::from_secs(5)).expect("a pool")
+    store::pool(&db.url, size, Duration::from_secs(5)).expect("a pool")
 }
 
 /// The QStash stand-in on a free loopback port, taking [`TOKEN`] and keeping

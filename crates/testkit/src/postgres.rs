@@ -253,7 +253,7 @@ impl TestDb {
 
     /// A fresh database that `setup` was run on (given a connection to it)
     /// before it is handed out: the schema under test. With the relay's
-    /// migrations, `TestDb::with_setup(outbox_relay::db::migrate::run)`. A
+    /// migrations, `TestDb::with_setup(outbox_relay::store::migrate::run)`. A
     /// database whose setup fails is dropped.
     pub async fn with_setup<T, E: Display>(
         setup: impl AsyncFnOnce(&mut tokio_postgres::Client) -> Result<T, E>,

@@ -31,7 +31,7 @@ pub fn relay() -> RelayProgram {
 pub async fn server_url() -> Option<String> {
     let url = std::env::var("TEST_DATABASE_URL")
         .unwrap_or_else(|_| outbox_testkit::DEFAULT_SERVER_URL.to_owned());
-    let probe = tokio::time::timeout(Duration::from_secs(5), outbox_relay::db::connect(&url));
+    let probe = tokio::time::timeout(Duration::from_secs(5), outbox_relay::store::connect(&url));
     matches!(probe.await, Ok(Ok(_))).then_some(url)
 }
 

@@ -1,18 +1,16 @@
 //! Prometheus metrics: names, buckets, and the few helpers the hot path uses.
+//! A leaf: it knows nothing of the rest of the crate.
+
+pub mod names;
 
 use std::time::Duration;
 
-use metrics::{
-    counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit,
-};
+use metrics::{counter, describe_counter, describe_gauge, describe_histogram, histogram, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
-use crate::sink::{Response, TransportError};
+pub use names::METRIC_NAMES;
 
-use crate::ops::metric_names as names;
-use crate::ops::stats::Snapshot;
-
-// Short names for the hot path; the list of record is `ops::metric_names`.
+// Short names for the hot path; the list of record is [`names`].
 pub const PUBLISHED: &str = names::EVENTS_PUBLISHED_TOTAL;
 pub const RETRIED: &str = names::EVENTS_RETRIED_TOTAL;
 pub const DEAD_LETTERED: &str = names::EVENTS_DEAD_LETTERED_TOTAL;
@@ -116,29 +114,10 @@ fn describe() {
     );
 }
 
-pub fn record_request(sink: &'static str, result: &Result<Response, TransportError>) {
-    let elapsed = match result {
-        Ok(r) => r.elapsed,
-        Err(TransportError::Timeout(d)) => *d,
-        Err(_) => return,
-    };
-    histogram!(PUBLISH_DURATION, "sink" => sink).record(elapsed.as_secs_f64());
-}
-
 pub fn record_commit_to_ack(age: Duration) {
     histogram!(COMMIT_TO_ACK).record(age.as_secs_f64());
 }
 
 pub fn count_actor_restart(actor: &'static str) {
     counter!(ACTOR_RESTARTS, "actor" => actor).increment(1);
-}
-
-/// Sets the gauges sampled from the database.
-pub fn record_snapshot(s: &Snapshot) {
-    gauge!(names::BACKLOG).set(s.backlog as f64);
-    gauge!(names::OLDEST_PENDING_AGE_SECONDS).set(s.oldest_pending_age_seconds);
-    gauge!(names::DEAD_LETTERS).set(s.dead_letters as f64);
-    gauge!(names::FLAPPING).set(s.flapping as f64);
-    gauge!(names::STUCK_LEASES).set(s.stuck_leases as f64);
-    gauge!(names::OUTBOX_DEAD_TUPLES).set(s.outbox_dead_tuples as f64);
 }

@@ -1,7 +1,6 @@
 //! Connections to PostgreSQL: a pool for the relay's actors, dedicated
-//! connections where a session matters (the listener, migrations), TLS when the URL asks for it.
-
-pub mod migrate;
+//! connections where a session matters (the listener, migrations), TLS when
+//! the URL asks for it.
 
 use std::time::Duration;
 
@@ -9,29 +8,12 @@ use bb8_postgres::PostgresConnectionManager;
 use tokio_postgres::config::SslMode;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
+use super::StoreError;
+
 pub type Tls = MakeRustlsConnect;
 pub type Manager = PostgresConnectionManager<Tls>;
 pub type Pool = bb8::Pool<Manager>;
 pub type PooledConn = bb8::PooledConnection<'static, Manager>;
-
-#[derive(Debug, thiserror::Error)]
-pub enum DbError {
-    #[error("database URL is not valid: {0}")]
-    BadUrl(String),
-    #[error("database: {0}")]
-    Postgres(#[from] tokio_postgres::Error),
-    #[error("database pool: timed out waiting for a connection")]
-    PoolTimeout,
-}
-
-impl From<bb8::RunError<tokio_postgres::Error>> for DbError {
-    fn from(e: bb8::RunError<tokio_postgres::Error>) -> Self {
-        match e {
-            bb8::RunError::User(e) => DbError::Postgres(e),
-            bb8::RunError::TimedOut => DbError::PoolTimeout,
-        }
-    }
-}
 
 /// A rustls connector with the Mozilla roots compiled in, so `sslmode=require`
 /// works against managed PostgreSQL (Neon, Supabase, RDS) with nothing on the host.
@@ -43,15 +25,15 @@ pub fn tls() -> Tls {
     MakeRustlsConnect::new(config)
 }
 
-pub fn parse_url(url: &str) -> Result<tokio_postgres::Config, DbError> {
+pub fn parse_url(url: &str) -> Result<tokio_postgres::Config, StoreError> {
     if url.is_empty() {
-        return Err(DbError::BadUrl(
+        return Err(StoreError::BadUrl(
             "it is empty (set DATABASE_URL or database.url)".into(),
         ));
     }
     let mut config = url
         .parse::<tokio_postgres::Config>()
-        .map_err(|e| DbError::BadUrl(e.to_string()))?;
+        .map_err(|e| StoreError::BadUrl(e.to_string()))?;
     // libpq's default `prefer` tries TLS without checking the certificate; we
     // only speak verified TLS, so TLS is used when the URL asks for it
     // (`sslmode=require`) and plain TCP otherwise.
@@ -63,7 +45,7 @@ pub fn parse_url(url: &str) -> Result<tokio_postgres::Config, DbError> {
 
 /// A pool that connects lazily; connections are checked by their closed flag,
 /// not by an extra round trip on every checkout.
-pub fn pool(url: &str, size: u32, connect_timeout: Duration) -> Result<Pool, DbError> {
+pub fn pool(url: &str, size: u32, connect_timeout: Duration) -> Result<Pool, StoreError> {
     let mut config = parse_url(url)?;
     config.connect_timeout(connect_timeout);
     if config.get_application_name().is_none() {
@@ -79,7 +61,7 @@ pub fn pool(url: &str, size: u32, connect_timeout: Duration) -> Result<Pool, DbE
 
 /// A connection outside the pool, its driver task spawned; for sessions that
 /// must not be shared (migrations' advisory lock, CLI commands).
-pub async fn connect(url: &str) -> Result<tokio_postgres::Client, DbError> {
+pub async fn connect(url: &str) -> Result<tokio_postgres::Client, StoreError> {
     let config = parse_url(url)?;
     let (client, connection) = config.connect(tls()).await?;
     tokio::spawn(async move {

@@ -1,10 +1,11 @@
-//! An outbox row as the relay holds it between claim and mark.
+//! An outbox row as the relay delivers it, and the envelope consumers receive.
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use uuid::Uuid;
 
-/// A claimed row. `payload` stays the JSON text PostgreSQL returned: it is
-/// passed through into the request body without being parsed and re-encoded.
+/// An outbox row as the relay delivers it. `payload` stays the JSON text
+/// PostgreSQL returned: it is passed through into the request body without
+/// being parsed and re-encoded.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OutboxRow {
     pub id: i64,
@@ -18,7 +19,8 @@ pub struct OutboxRow {
     pub idempotency_key: String,
     pub partition_key: String,
     pub created_at: DateTime<Utc>,
-    /// This claim's attempt number; also the lease's fencing token.
+    /// The delivery attempt the relay claimed the row for (1 on the first);
+    /// also the claim's fencing token.
     pub attempt: i32,
 }
 
@@ -59,55 +61,6 @@ fn push_json_str(out: &mut Vec<u8>, s: &str) {
     serde_json::to_writer(&mut *out, s).expect("writing to a Vec cannot fail");
 }
 
-/// Removes the whitespace PostgreSQL's `jsonb` output puts after `:` and `,`,
-/// so the body is compact JSON without a parse and re-encode of the payload.
-pub fn compact_json(text: &str) -> String {
-    let bytes = text.as_bytes();
-    if !bytes.contains(&b' ') && !bytes.contains(&b'\n') {
-        return text.to_owned();
-    }
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut in_string = false;
-    let mut escaped = false;
-    for &b in bytes {
-        if in_string {
-            out.push(b);
-            if escaped {
-                escaped = false;
-            } else if b == b'\\' {
-                escaped = true;
-            } else if b == b'"' {
-                in_string = false;
-            }
-        } else if b == b'"' {
-            in_string = true;
-            out.push(b);
-        } else if !matches!(b, b' ' | b'\n' | b'\r' | b'\t') {
-            out.push(b);
-        }
-    }
-    // Only ASCII whitespace outside strings was removed: still valid UTF-8.
-    String::from_utf8(out).expect("removing ASCII bytes keeps UTF-8 valid")
-}
-
-/// Parses the `headers` column (a JSON object of strings; validated on enqueue,
-/// but an application may have written anything: non-strings are skipped).
-pub fn parse_headers(text: &str) -> Vec<(String, String)> {
-    if text == "{}" {
-        return Vec::new();
-    }
-    match serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(text) {
-        Ok(map) => map
-            .into_iter()
-            .filter_map(|(k, v)| match v {
-                serde_json::Value::String(s) => Some((k, s)),
-                _ => None,
-            })
-            .collect(),
-        Err(_) => Vec::new(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -134,24 +87,5 @@ mod tests {
         );
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
         assert_eq!(v["payload"]["orderId"], "o1");
-    }
-
-    #[test]
-    fn compacts_jsonb_text_but_not_strings() {
-        assert_eq!(
-            compact_json(r#"{"a": [1, 2], "b": "x, y: \" z", "c": {"d": null}}"#),
-            r#"{"a":[1,2],"b":"x, y: \" z","c":{"d":null}}"#
-        );
-        assert_eq!(compact_json(r#"{"a":1}"#), r#"{"a":1}"#);
-    }
-
-    #[test]
-    fn headers_skip_non_strings() {
-        assert_eq!(parse_headers("{}"), vec![]);
-        assert_eq!(
-            parse_headers(r#"{"a":"1","b":2}"#),
-            vec![("a".to_owned(), "1".to_owned())]
-        );
-        assert_eq!(parse_headers("not json"), vec![]);
     }
 }

@@ -1,7 +1,6 @@
-//! The consuming side: verify that a delivery came from QStash (or from our
-//! webhook sink), then handle each message once.
+//! The consuming side: verify that a delivery came from QStash (or from the
+//! relay's webhook sink), then handle each message once.
 
-pub mod example;
 pub mod idempotent;
 pub mod qstash;
 pub mod webhooks;

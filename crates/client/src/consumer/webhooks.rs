@@ -1,5 +1,5 @@
-//! Verifies Standard Webhooks requests, the counterpart of
-//! [`crate::sink::webhook`]: `webhook-id`, `webhook-timestamp` within a
+//! Verifies Standard Webhooks requests, the counterpart of the relay's webhook
+//! sink (both use [`crate::signing`]): `webhook-id`, `webhook-timestamp` within a
 //! tolerance in both directions, and at least one `v1,` entry of the
 //! space-separated `webhook-signature` made by one of the secrets (several
 //! secrets let a sender rotate without downtime).
@@ -9,7 +9,7 @@ use std::time::Duration;
 use subtle::ConstantTimeEq;
 
 use super::qstash::Clock;
-use crate::sink::webhook::{decode_secret, sign, SecretError};
+use crate::signing::{decode_secret, sign, SecretError};
 
 pub const ID_HEADER: &str = "webhook-id";
 pub const TIMESTAMP_HEADER: &str = "webhook-timestamp";

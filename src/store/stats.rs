@@ -25,6 +25,8 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use tokio_postgres::{Client, GenericClient, IsolationLevel};
 
+use super::{Store, StoreError};
+
 /// Pending rows with more failed attempts than this count as flapping.
 pub const FLAPPING_ATTEMPTS: i32 = 3;
 
@@ -194,9 +196,7 @@ ORDER BY event_type";
 
 /// Samples the gauges in one statement. Works on a client, a pooled
 /// connection (`&*conn`) or a transaction, on a plain or partitioned outbox.
-pub async fn snapshot<C: GenericClient + Sync>(
-    client: &C,
-) -> Result<Snapshot, tokio_postgres::Error> {
+pub async fn snapshot<C: GenericClient + Sync>(client: &C) -> Result<Snapshot, StoreError> {
     let row = client
         .query_one(SNAPSHOT_SQL, &[&FLAPPING_ATTEMPTS])
         .await?;
@@ -213,7 +213,7 @@ pub async fn snapshot<C: GenericClient + Sync>(
 
 /// The full report, read in one repeatable-read, read-only transaction so the
 /// parts agree with each other.
-pub async fn stats(client: &mut Client) -> Result<Stats, tokio_postgres::Error> {
+pub async fn stats(client: &mut Client) -> Result<Stats, StoreError> {
     let tx = client
         .build_transaction()
         .isolation_level(IsolationLevel::RepeatableRead)
@@ -265,4 +265,16 @@ pub async fn stats(client: &mut Client) -> Result<Stats, tokio_postgres::Error> 
         replicas,
         unowned_shards,
     })
+}
+
+impl Store {
+    /// The gauges, sampled now.
+    pub async fn snapshot(&self) -> Result<Snapshot, StoreError> {
+        snapshot(&*self.conn().await?).await
+    }
+
+    /// What `outbox-relay stats` shows.
+    pub async fn stats(&self) -> Result<Stats, StoreError> {
+        stats(&mut *self.conn().await?).await
+    }
 }

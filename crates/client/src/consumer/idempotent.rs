@@ -6,9 +6,7 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use tokio_postgres::types::Type;
-use tokio_postgres::Transaction;
-
-use crate::db::{DbError, Pool};
+use tokio_postgres::{Client, GenericClient, Transaction};
 
 /// The header the relay forwards the outbox row id in; consumers key on it.
 pub const OUTBOX_ID_HEADER: &str = "x-outbox-id";
@@ -33,14 +31,10 @@ pub enum ConsumeError<E> {
     /// The work failed; its writes and the dedupe row were rolled back.
     #[error("handler failed: {0}")]
     Work(E),
-    #[error(transparent)]
-    Db(#[from] DbError),
-}
-
-impl<E> From<tokio_postgres::Error> for ConsumeError<E> {
-    fn from(e: tokio_postgres::Error) -> Self {
-        ConsumeError::Db(DbError::Postgres(e))
-    }
+    /// Opening, writing or committing the dedupe transaction failed; nothing
+    /// of it committed, so the delivery can be retried.
+    #[error("database: {0}")]
+    Db(#[from] tokio_postgres::Error),
 }
 
 // A concurrent delivery of the same message blocks on the primary key until
@@ -52,13 +46,18 @@ ON CONFLICT (consumer, message_id) DO NOTHING";
 
 /// Runs `work` at most once to commit per `(consumer, message_id)`.
 ///
+/// `client` is any `tokio_postgres` connection: a [`Client`] (from a pool,
+/// `&mut *pooled`), on which a transaction is opened and committed here, or a
+/// [`Transaction`] the caller already has open, in which the dedupe row and
+/// the work go into a savepoint and commit when the caller commits.
+///
 /// `work` gets the transaction holding the dedupe row; whatever it writes
 /// through it commits or rolls back together with that row:
 ///
 /// ```no_run
-/// # async fn f(pool: outbox_relay::db::Pool) {
-/// use outbox_relay::consumer::idempotent::{consume_once, Consumed};
-/// let r = consume_once(&pool, "billing", "42", |tx| {
+/// # async fn f(client: &mut tokio_postgres::Client) {
+/// use outbox_client::consumer::{consume_once, Consumed};
+/// let r = consume_once(client, "billing", "42", |tx| {
 ///     Box::pin(async move {
 ///         tx.execute("UPDATE accounts SET n = n + 1", &[]).await
 ///     })
@@ -66,17 +65,17 @@ ON CONFLICT (consumer, message_id) DO NOTHING";
 /// .await;
 /// # }
 /// ```
-pub async fn consume_once<T, E, F>(
-    pool: &Pool,
+pub async fn consume_once<C, T, E, F>(
+    client: &mut C,
     consumer: &str,
     message_id: &str,
     work: F,
 ) -> Result<Consumed<T>, ConsumeError<E>>
 where
+    C: GenericClient,
     F: for<'a> FnOnce(&'a Transaction<'a>) -> BoxFuture<'a, Result<T, E>>,
 {
-    let mut conn = pool.get().await.map_err(DbError::from)?;
-    let tx = conn.transaction().await?;
+    let tx = client.transaction().await?;
     let inserted = tx
         .execute_typed(
             CLAIM_MESSAGE,
@@ -94,7 +93,7 @@ where
         }
         Err(e) => {
             // A failed rollback still discards the transaction server-side
-            // when the connection is dropped or reused; the work error matters more.
+            // (dropping it rolls back too); the work error matters more.
             if let Err(rollback) = tx.rollback().await {
                 tracing::debug!(error = %rollback, "rollback after a failed handler");
             }
@@ -113,25 +112,25 @@ WHERE (consumer, message_id) IN (
 )";
 
 /// Deletes dedupe rows older than `older_than`, `batch` rows per statement
-/// (short transactions, no long lock), until none is left; returns how many.
-/// Keep `older_than` well past the longest redelivery window (QStash retries
-/// for up to days): a message redelivered after its row is pruned runs again.
+/// (each its own short transaction on `client`, no long lock), until none is
+/// left; returns how many. Keep `older_than` well past the longest
+/// redelivery window (QStash retries for up to days): a message redelivered
+/// after its row is pruned runs again.
 pub async fn prune_processed(
-    pool: &Pool,
+    client: &Client,
     older_than: Duration,
     batch: i64,
-) -> Result<u64, DbError> {
+) -> Result<u64, tokio_postgres::Error> {
     let batch = batch.max(1);
-    let conn = pool.get().await?;
     // One cutoff for the whole run, on the database's clock (the one that
     // wrote processed_at), so rows that age meanwhile are left alone.
-    let cutoff: chrono::DateTime<chrono::Utc> = conn
+    let cutoff: chrono::DateTime<chrono::Utc> = client
         .query_typed_one(PRUNE_CUTOFF, &[(&older_than.as_secs_f64(), Type::FLOAT8)])
         .await?
         .get(0);
     let mut total = 0;
     loop {
-        let deleted = conn
+        let deleted = client
             .execute_typed(
                 PRUNE_BATCH,
                 &[(&cutoff, Type::TIMESTAMPTZ), (&batch, Type::INT8)],

@@ -175,7 +175,32 @@ const INSERT_ONE_TYPES: &[Type] = &[
     Type::TIMESTAMPTZ,
 ];
 
-/// Writes one event inside the caller's transaction.
+/// Writes one event inside the caller's transaction: it commits with the
+/// business rows, or neither does.
+///
+/// ```no_run
+/// # async fn f(client: &mut tokio_postgres::Client, order_id: &str, tenant_id: uuid::Uuid)
+/// # -> Result<(), Box<dyn std::error::Error>> {
+/// use outbox_client::{enqueue, Enqueued, NewEvent};
+///
+/// let tx = client.transaction().await?;
+/// tx.execute("INSERT INTO orders (id) VALUES ($1)", &[&order_id]).await?;
+/// let event = NewEvent::new(
+///     tenant_id,
+///     "order",
+///     order_id,
+///     "order.placed",
+///     serde_json::json!({"orderId": order_id}),
+///     format!("order.placed:{order_id}"),
+/// );
+/// match enqueue(&tx, &event).await? {
+///     Enqueued::New { id } => println!("event {id} enqueued"),
+///     Enqueued::Duplicate => {} // this idempotency key was enqueued before
+/// }
+/// tx.commit().await?;
+/// # Ok(())
+/// # }
+/// ```
 pub async fn enqueue(tx: &Transaction<'_>, event: &NewEvent) -> Result<Enqueued, EnqueueError> {
     event.validate()?;
     // Typed: parse, bind and execute in one round trip, no prepared statement.

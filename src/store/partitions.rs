@@ -20,20 +20,13 @@ pub const PARTITIONED_OUTBOX_SQL: &str =
 
 const PARTITION_PREFIX: &str = "outbox_p";
 
-#[derive(Debug, thiserror::Error)]
-pub enum PartitionError {
-    #[error("the outbox is not partitioned: run `outbox-relay partitions init` first (docs/partitioning.md)")]
-    NotPartitioned,
-    #[error("database: {}", describe(.0))]
-    Postgres(#[from] tokio_postgres::Error),
-}
+use super::StoreError;
 
-/// The server's own message when there is one ("db error" says nothing).
-fn describe(e: &tokio_postgres::Error) -> String {
-    match e.as_db_error() {
-        Some(db) => db.message().to_owned(),
-        None => e.to_string(),
-    }
+fn not_partitioned() -> StoreError {
+    StoreError::Refused(
+        "the outbox is not partitioned: run `outbox-relay partitions init` first (docs/partitioning.md)"
+            .into(),
+    )
 }
 
 /// How far ahead to create and how long to keep.
@@ -146,7 +139,7 @@ pub async fn is_partitioned(client: &Client) -> Result<bool, tokio_postgres::Err
 
 /// Replaces the (empty) outbox by the partitioned one, in one transaction,
 /// and creates today's and the next `ahead_days` partitions.
-pub async fn init(client: &mut Client, ahead_days: u32) -> Result<MaintainReport, PartitionError> {
+pub async fn init(client: &mut Client, ahead_days: u32) -> Result<MaintainReport, StoreError> {
     let tx = client.transaction().await?;
     tx.batch_execute(PARTITIONED_OUTBOX_SQL).await?;
     tx.commit().await?;
@@ -163,9 +156,9 @@ pub async fn init(client: &mut Client, ahead_days: u32) -> Result<MaintainReport
 }
 
 /// Day partitions attached to the outbox, oldest first (`outbox_default` aside).
-pub async fn list(client: &Client) -> Result<Vec<(String, NaiveDate)>, PartitionError> {
+pub async fn list(client: &Client) -> Result<Vec<(String, NaiveDate)>, StoreError> {
     if !is_partitioned(client).await? {
-        return Err(PartitionError::NotPartitioned);
+        return Err(not_partitioned());
     }
     Ok(client
         .query(LIST_SQL, &[])
@@ -184,9 +177,9 @@ pub async fn list(client: &Client) -> Result<Vec<(String, NaiveDate)>, Partition
 pub async fn maintain(
     client: &mut Client,
     options: &MaintainOptions,
-) -> Result<MaintainReport, PartitionError> {
+) -> Result<MaintainReport, StoreError> {
     if !is_partitioned(&*client).await? {
-        return Err(PartitionError::NotPartitioned);
+        return Err(not_partitioned());
     }
     let row = client.query_one(TODAY_SQL, &[]).await?;
     let today: NaiveDate = row.get(0);

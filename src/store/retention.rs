@@ -3,20 +3,18 @@
 //! short transaction, so no lock is held for long and vacuum keeps up between
 //! batches. Pending and dead-lettered rows are never deleted.
 //!
-//! [`run_janitor`] does the same from inside the daemon every `janitor.interval`.
+//! The janitor (`src/janitor.rs`) runs the same from inside the daemon.
 //! Several janitors (one per replica) are safe together: they pick the same
 //! oldest rows, so the later one waits for the earlier batch, finds its rows
 //! gone and stops for this pass.
 
-use std::future::Future;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 use tokio_postgres::Client;
 
-use crate::config::JanitorConfig;
-use crate::db::{DbError, Pool};
+use super::StoreError;
 
 /// What to prune.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,16 +25,6 @@ pub struct PruneOptions {
     pub processed_older_than: Option<Duration>,
     /// Rows per DELETE statement (at least 1).
     pub batch: u32,
-}
-
-impl From<&JanitorConfig> for PruneOptions {
-    fn from(c: &JanitorConfig) -> Self {
-        PruneOptions {
-            published_older_than: c.retain_published,
-            processed_older_than: Some(c.retain_processed),
-            batch: c.batch,
-        }
-    }
 }
 
 /// What one table's pruning did.
@@ -85,10 +73,7 @@ WHERE ctid = ANY(ARRAY(
 
 /// Deletes published outbox rows, then (if asked) old `processed_messages`.
 /// `client` must not be inside a transaction: every batch commits on its own.
-pub async fn prune(
-    client: &Client,
-    options: &PruneOptions,
-) -> Result<PruneReport, tokio_postgres::Error> {
+pub async fn prune(client: &Client, options: &PruneOptions) -> Result<PruneReport, StoreError> {
     let outbox = prune_published(client, options.published_older_than, options.batch).await?;
     let processed_messages = match options.processed_older_than {
         Some(age) => Some(prune_processed(client, age, options.batch).await?),
@@ -105,7 +90,7 @@ pub async fn prune_published(
     client: &Client,
     older_than: Duration,
     batch: u32,
-) -> Result<TablePrune, tokio_postgres::Error> {
+) -> Result<TablePrune, StoreError> {
     delete_in_batches(client, DELETE_PUBLISHED_SQL, older_than, batch).await
 }
 
@@ -114,7 +99,7 @@ pub async fn prune_processed(
     client: &Client,
     older_than: Duration,
     batch: u32,
-) -> Result<TablePrune, tokio_postgres::Error> {
+) -> Result<TablePrune, StoreError> {
     delete_in_batches(client, DELETE_PROCESSED_SQL, older_than, batch).await
 }
 
@@ -123,7 +108,7 @@ async fn delete_in_batches(
     sql: &str,
     older_than: Duration,
     batch: u32,
-) -> Result<TablePrune, tokio_postgres::Error> {
+) -> Result<TablePrune, StoreError> {
     let cutoff: DateTime<Utc> = client
         .query_one(CUTOFF_SQL, &[&older_than.as_secs_f64()])
         .await?
@@ -146,84 +131,4 @@ async fn delete_in_batches(
             return Ok(report);
         }
     }
-}
-
-/// What a janitor did over its life.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct JanitorSummary {
-    /// Passes that completed.
-    pub passes: u64,
-    /// Passes that stopped on an error (logged; the next pass tries again).
-    pub failed_passes: u64,
-    pub outbox_deleted: u64,
-    pub processed_deleted: u64,
-}
-
-/// Prunes at start and then every `config.interval` until `shutdown`
-/// completes; returns at once when `config.enabled` is false. Errors are
-/// logged and retried at the next interval, never fatal. A shutdown during a
-/// pass stops it between or within batches: each batch is its own
-/// transaction, so nothing is half done.
-pub async fn run_janitor(
-    pool: Pool,
-    config: JanitorConfig,
-    shutdown: impl Future<Output = ()>,
-) -> JanitorSummary {
-    run_janitor_observed(pool, config, shutdown, |_| {}).await
-}
-
-/// [`run_janitor`], calling `on_pass` after each pass with its outcome
-/// (tests, and a daemon that wants to count passes).
-pub async fn run_janitor_observed(
-    pool: Pool,
-    config: JanitorConfig,
-    shutdown: impl Future<Output = ()>,
-    mut on_pass: impl FnMut(&Result<PruneReport, DbError>),
-) -> JanitorSummary {
-    let mut summary = JanitorSummary::default();
-    if !config.enabled {
-        return summary;
-    }
-    let options = PruneOptions::from(&config);
-    let mut ticker = tokio::time::interval(config.interval);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tokio::pin!(shutdown);
-    loop {
-        tokio::select! {
-            biased;
-            _ = &mut shutdown => break,
-            _ = ticker.tick() => {}
-        }
-        let outcome = tokio::select! {
-            biased;
-            _ = &mut shutdown => break,
-            outcome = janitor_pass(&pool, &options) => outcome,
-        };
-        match &outcome {
-            Ok(report) => {
-                summary.passes += 1;
-                summary.outbox_deleted += report.outbox.deleted;
-                let processed = report.processed_messages.as_ref().map_or(0, |p| p.deleted);
-                summary.processed_deleted += processed;
-                if report.outbox.deleted > 0 || processed > 0 {
-                    tracing::info!(
-                        outbox_deleted = report.outbox.deleted,
-                        processed_deleted = processed,
-                        "janitor pruned old rows"
-                    );
-                }
-            }
-            Err(e) => {
-                summary.failed_passes += 1;
-                tracing::warn!(error = %e, "janitor pass failed; trying again next interval");
-            }
-        }
-        on_pass(&outcome);
-    }
-    summary
-}
-
-async fn janitor_pass(pool: &Pool, options: &PruneOptions) -> Result<PruneReport, DbError> {
-    let conn = pool.get().await?;
-    Ok(prune(&conn, options).await?)
 }

@@ -1,0 +1,294 @@
+//! The store: every SQL statement the relay runs, and the connections they run
+//! on. The actors, the CLI and the operations code all go through it; nothing
+//! else in the crate writes SQL.
+//!
+//! - [`Store`]: the connection pool, for statements run now and then (the
+//!   CLI, the gauges, retention, a failure callback).
+//! - [`Session`]: one actor's own connection, taken from the pool on first use,
+//!   its statements prepared once per connection, dropped after an error and
+//!   taken again after a backoff ([`Session::failed`]). The claimers, the
+//!   marker and the coordinator each keep one.
+//!
+//! What the statements do, by table:
+//! - [`outbox`]: claims, marks, releases and the drain's progress (the relay's
+//!   hot path), and the failure callback's mark.
+//! - [`shards`]: shard leases, replica heartbeats, resharding, the schema check.
+//! - [`dead_letters`]: list, show, replay and purge dead-lettered rows.
+//! - [`retention`]: batched deletes and a partitioned outbox's upkeep.
+//! - [`stats`]: the health figures (gauges, `outbox-relay stats`).
+//! - [`probe`]: the listener's cheap look at the outbox's id sequence.
+//! - [`migrate`]: the schema, created and upgraded online.
+
+pub mod conn;
+pub mod dead_letters;
+pub mod migrate;
+pub mod outbox;
+pub mod partitions;
+pub mod probe;
+pub mod retention;
+pub mod shards;
+pub mod stats;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::time::Duration;
+
+use tokio_postgres::types::Type;
+use tokio_postgres::Statement;
+
+pub use conn::{connect, parse_url, pool, tls, Pool, PooledConn};
+
+/// The one error of the store.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("database URL is not valid: {0}")]
+    BadUrl(String),
+    #[error("database: {}", describe(.0))]
+    Postgres(#[from] tokio_postgres::Error),
+    #[error("database pool: timed out waiting for a connection")]
+    PoolTimeout,
+    /// A migration could not be applied, or the schema is not this binary's.
+    #[error(transparent)]
+    Migrate(#[from] migrate::MigrateError),
+    /// What was asked for is not in the database.
+    #[error("{0}")]
+    NotFound(String),
+    /// The request is not valid, or the database's state forbids it now.
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// The server's own message when there is one ("db error" says nothing).
+fn describe(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => match db.detail() {
+            Some(detail) => format!("{} ({detail})", db.message()),
+            None => db.message().to_owned(),
+        },
+        None => e.to_string(),
+    }
+}
+
+impl From<bb8::RunError<tokio_postgres::Error>> for StoreError {
+    fn from(e: bb8::RunError<tokio_postgres::Error>) -> Self {
+        match e {
+            bb8::RunError::User(e) => StoreError::Postgres(e),
+            bb8::RunError::TimedOut => StoreError::PoolTimeout,
+        }
+    }
+}
+
+impl StoreError {
+    /// The database could not be reached or dropped the connection (as
+    /// opposed to an error the server reported): worth trying again.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            StoreError::PoolTimeout => true,
+            StoreError::Postgres(e) => e.as_db_error().is_none(),
+            _ => false,
+        }
+    }
+
+    /// PostgreSQL refused the values sent (SQLSTATE classes 22 data
+    /// exception, 23 integrity, 54 program limit), not the connection.
+    pub fn is_data_error(&self) -> bool {
+        match self {
+            StoreError::Postgres(e) => e
+                .as_db_error()
+                .is_some_and(|db| matches!(&db.code().code()[..2], "22" | "23" | "54")),
+            _ => false,
+        }
+    }
+
+    /// The SQLSTATE the server answered, if it answered.
+    pub fn code(&self) -> Option<&tokio_postgres::error::SqlState> {
+        match self {
+            StoreError::Postgres(e) => e.code(),
+            _ => None,
+        }
+    }
+}
+
+/// A shard: the unit of ownership among replicas, one claimer each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ShardId(i16);
+
+impl ShardId {
+    /// The most shards an outbox can be split into.
+    pub const MAX_SHARDS: u32 = 1024;
+
+    /// `n` must be below [`ShardId::MAX_SHARDS`].
+    pub fn new(n: u32) -> ShardId {
+        assert!(n < Self::MAX_SHARDS, "shard {n} out of range");
+        ShardId(n as i16)
+    }
+
+    /// Every shard of an outbox split `count` ways.
+    pub fn all(count: u32) -> impl Iterator<Item = ShardId> {
+        (0..count.min(Self::MAX_SHARDS)).map(ShardId::new)
+    }
+
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+
+    /// As the `smallint` columns hold it.
+    pub(crate) fn sql(self) -> i16 {
+        self.0
+    }
+
+    pub(crate) fn from_sql(v: i16) -> ShardId {
+        ShardId(v)
+    }
+}
+
+impl fmt::Display for ShardId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl serde::Serialize for ShardId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_i16(self.0)
+    }
+}
+
+/// A shard as one tenure holds it: the fencing token its claims and marks
+/// carry. A replica that lost the shard is refused by the database.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fence {
+    pub shard: ShardId,
+    pub token: i64,
+}
+
+/// The pool every statement runs on, one connection at a time.
+#[derive(Clone)]
+pub struct Store {
+    pool: Pool,
+}
+
+impl Store {
+    /// A pool of up to `size` connections, made on demand; nothing connects yet.
+    pub fn open(url: &str, size: u32, connect_timeout: Duration) -> Result<Store, StoreError> {
+        Ok(Store {
+            pool: conn::pool(url, size, connect_timeout)?,
+        })
+    }
+
+    /// A store on a pool made elsewhere.
+    pub fn with_pool(pool: Pool) -> Store {
+        Store { pool }
+    }
+
+    /// A small store for one command (the CLI).
+    pub fn for_command(url: &str) -> Result<Store, StoreError> {
+        Store::open(url, 2, Duration::from_secs(10))
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// A connection for a few statements; back to the pool when dropped.
+    pub async fn conn(&self) -> Result<PooledConn, StoreError> {
+        Ok(self.pool.get_owned().await?)
+    }
+
+    /// A connection of one's own, for an actor.
+    pub fn session(&self) -> Session {
+        Session {
+            pool: self.pool.clone(),
+            conn: None,
+            failures: 0,
+        }
+    }
+}
+
+/// A statement and its parameter types, prepared once per session connection.
+pub(crate) struct Sql {
+    pub text: &'static str,
+    pub types: &'static [Type],
+}
+
+struct Prepared {
+    conn: PooledConn,
+    /// By the address of the statement's text (each is a `&'static str`).
+    statements: HashMap<usize, Statement>,
+}
+
+/// One actor's connection: taken on first use, kept while it works, dropped
+/// after an error. The caller reports an error with [`Session::failed`], which
+/// says how long to wait before the next try, and a success with
+/// [`Session::succeeded`].
+pub struct Session {
+    pool: Pool,
+    conn: Option<Prepared>,
+    failures: u32,
+}
+
+impl Session {
+    /// The connection and `sql` prepared on it.
+    pub(crate) async fn prepared(
+        &mut self,
+        sql: &Sql,
+    ) -> Result<(&PooledConn, Statement), StoreError> {
+        if self.conn.is_none() {
+            let conn = self.pool.get_owned().await?;
+            self.conn = Some(Prepared {
+                conn,
+                statements: HashMap::new(),
+            });
+        }
+        let p = self.conn.as_mut().expect("connected above");
+        let key = sql.text.as_ptr() as usize;
+        let statement = match p.statements.get(&key) {
+            Some(s) => s.clone(),
+            None => {
+                let s = p.conn.prepare_typed(sql.text, sql.types).await?;
+                p.statements.insert(key, s.clone());
+                s
+            }
+        };
+        Ok((&p.conn, statement))
+    }
+
+    /// The connection, for statements that are not prepared.
+    pub(crate) async fn conn(&mut self) -> Result<&PooledConn, StoreError> {
+        if self.conn.is_none() {
+            let conn = self.pool.get_owned().await?;
+            self.conn = Some(Prepared {
+                conn,
+                statements: HashMap::new(),
+            });
+        }
+        Ok(&self.conn.as_ref().expect("connected above").conn)
+    }
+
+    /// A statement failed: the connection is dropped (the next use takes a
+    /// fresh one) and the wait before trying again grows with each failure in
+    /// a row: 100 ms doubling to 5 s.
+    pub fn failed(&mut self) -> Duration {
+        self.conn = None;
+        self.failures = self.failures.saturating_add(1);
+        reconnect_delay(self.failures)
+    }
+
+    /// A statement went through: the next failure starts the backoff afresh.
+    pub fn succeeded(&mut self) {
+        self.failures = 0;
+    }
+
+    /// Failures in a row so far.
+    pub fn failures(&self) -> u32 {
+        self.failures
+    }
+}
+
+/// The backoff after `failures` failures in a row.
+pub fn reconnect_delay(failures: u32) -> Duration {
+    let ms = 50u64.saturating_mul(1 << failures.min(7));
+    Duration::from_millis(ms.min(5_000))
+}

@@ -1,0 +1,332 @@
+//! Who owns which shard: shard leases (`outbox_relay_shard_leases`, one row a
+//! shard, each tenure under a fencing token from a sequence), the replicas'
+//! heartbeats (`outbox_relay_replicas`), the shard count
+//! (`outbox_relay_settings`) and resharding. The coordinator runs the lease
+//! statements every round; docs/architecture.md, "Shard ownership and
+//! fencing", says why time plus token is enough.
+
+use std::time::Duration;
+
+use tokio_postgres::GenericClient;
+
+use super::{migrate, Fence, Session, ShardId, Store, StoreError};
+
+/// Announces this replica; `alive_until` is what the others count it by.
+/// A new process under the same name starts a new `started_at`.
+const HEARTBEAT: &str = "INSERT INTO outbox_relay_replicas AS r
+    (replica, hostname, pid, started_at, seen_at, alive_until)
+VALUES ($1, $2, $3, now(), now(), now() + $4::bigint * interval '1 millisecond')
+ON CONFLICT (replica) DO UPDATE SET
+    hostname = excluded.hostname,
+    pid = excluded.pid,
+    started_at = CASE WHEN r.pid = excluded.pid AND r.hostname = excluded.hostname
+                      THEN r.started_at ELSE now() END,
+    seen_at = now(),
+    alive_until = excluded.alive_until";
+
+/// Replicas counted for the fair share, in the order shares are dealt.
+const LIVE: &str =
+    "SELECT replica FROM outbox_relay_replicas WHERE alive_until > now() ORDER BY replica";
+
+/// Replicas gone for a while leave the list (`stats` shows the recent ones).
+const FORGET: &str =
+    "DELETE FROM outbox_relay_replicas WHERE alive_until < now() - interval '10 minutes'";
+
+/// Extends the leases still held under their tokens; a shard not returned was
+/// lost (its lease ended, or another replica took it).
+const RENEW: &str = "UPDATE outbox_relay_shard_leases
+SET lease_until = now() + $2::bigint * interval '1 millisecond', renewed_at = now()
+WHERE owner = $1 AND token = ANY($3) AND lease_until > now()
+RETURNING shard, token";
+
+/// Takes up to `$3` shards that nobody holds: released, never taken, lease
+/// over, or held under this replica's own name by an earlier process (a
+/// restart under a fixed `relay.replica_id`), except those it holds now (`$4`).
+/// Each gets a new fencing token.
+const ACQUIRE: &str = "WITH free AS (
+    SELECT shard, owner FROM outbox_relay_shard_leases
+    WHERE (owner IS NULL OR owner = $1 OR lease_until IS NULL OR lease_until <= now())
+      AND NOT (shard = ANY($4))
+    ORDER BY shard
+    LIMIT $3
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE outbox_relay_shard_leases AS l
+SET owner = $1, token = nextval('outbox_relay_shard_token_seq'),
+    lease_until = now() + $2::bigint * interval '1 millisecond',
+    acquired_at = now(), renewed_at = now()
+FROM free
+WHERE l.shard = free.shard
+RETURNING l.shard, l.token, free.owner";
+
+/// Gives leases back (handover, shutdown): the next replica takes them at once.
+const GIVE_BACK: &str = "UPDATE outbox_relay_shard_leases
+SET owner = NULL, lease_until = NULL, renewed_at = now()
+WHERE token = ANY($1)";
+
+/// Leaves the replica list on shutdown, so the others rebalance at once.
+const LEAVE: &str =
+    "DELETE FROM outbox_relay_replicas WHERE replica = $1 AND hostname = $2 AND pid = $3";
+
+/// Takes a shard whatever holds it now (tools only).
+const SEIZE: &str = "UPDATE outbox_relay_shard_leases
+SET owner = $2, token = nextval('outbox_relay_shard_token_seq'),
+    lease_until = now() + $3::bigint * interval '1 millisecond',
+    acquired_at = now(), renewed_at = now()
+WHERE shard = $1
+RETURNING token";
+
+/// The number of shards the database hashes rows into.
+const SHARD_COUNT: &str = "SELECT shards FROM outbox_relay_settings";
+
+/// Rows are re-sharded in one transaction that holds off writers; run it with
+/// the relays stopped (they refuse to start on a count that differs).
+const RESHARD_ROWS: &str = "UPDATE outbox SET shard = (hashtext(partition_key) & 2147483647) % $1";
+
+/// Replicas holding a live shard lease (they must be stopped first).
+const LIVE_OWNERS: &str = "SELECT DISTINCT owner FROM outbox_relay_shard_leases
+WHERE owner IS NOT NULL AND lease_until > now() ORDER BY owner";
+
+/// One lease row per shard: drop those past the new count, add the missing.
+const RESHARD_LEASES: &str = "WITH gone AS (
+    DELETE FROM outbox_relay_shard_leases WHERE shard >= $1::int
+)
+INSERT INTO outbox_relay_shard_leases (shard)
+SELECT generate_series(0, $1::int - 1) ON CONFLICT (shard) DO NOTHING";
+
+const SET_SHARD_COUNT: &str = "UPDATE outbox_relay_settings SET shards = $1";
+
+/// The newest migration applied.
+const SCHEMA_VERSION: &str = "SELECT max(version) FROM outbox_relay_migrations";
+
+/// A replica as the others see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replica {
+    /// `relay.replica_id`, or `<hostname>-<pid>`.
+    pub id: String,
+    pub hostname: String,
+    pub pid: i32,
+}
+
+impl Replica {
+    /// This process, under `configured` (empty: `<hostname>-<pid>`).
+    pub fn this_process(configured: &str) -> Replica {
+        let hostname = hostname();
+        let pid = std::process::id();
+        Replica {
+            id: if configured.is_empty() {
+                format!("{hostname}-{pid}")
+            } else {
+                configured.to_owned()
+            },
+            hostname,
+            pid: pid as i32,
+        }
+    }
+}
+
+/// This machine's name, for `stats` and the default replica name.
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "localhost".to_owned())
+}
+
+/// A shard just taken, and who held it before.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Acquired {
+    pub fence: Fence,
+    pub previous: Option<String>,
+}
+
+fn millis(d: Duration) -> i64 {
+    d.as_millis() as i64
+}
+
+impl Session {
+    /// Says this replica is alive for `alive_for` more.
+    pub async fn heartbeat(&mut self, me: &Replica, alive_for: Duration) -> Result<(), StoreError> {
+        self.conn()
+            .await?
+            .execute(
+                HEARTBEAT,
+                &[&me.id, &me.hostname, &me.pid, &millis(alive_for)],
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Extends the leases held under `tokens` by `lease`; the tenures still
+    /// held. A token not returned was lost.
+    pub async fn renew(
+        &mut self,
+        me: &Replica,
+        lease: Duration,
+        tokens: &[i64],
+    ) -> Result<Vec<Fence>, StoreError> {
+        let rows = self
+            .conn()
+            .await?
+            .query(RENEW, &[&me.id, &millis(lease), &tokens])
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| Fence {
+                shard: ShardId::from_sql(r.get(0)),
+                token: r.get(1),
+            })
+            .collect())
+    }
+
+    /// The replicas alive now, by name; forgets those gone for long.
+    pub async fn live_replicas(&mut self) -> Result<Vec<String>, StoreError> {
+        let conn = self.conn().await?;
+        let live = conn
+            .query(LIVE, &[])
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        conn.execute(FORGET, &[]).await?;
+        Ok(live)
+    }
+
+    /// Takes up to `want` free shards (not those in `exclude`) for `lease`.
+    pub async fn acquire(
+        &mut self,
+        me: &Replica,
+        lease: Duration,
+        want: usize,
+        exclude: &[ShardId],
+    ) -> Result<Vec<Acquired>, StoreError> {
+        let exclude: Vec<i16> = exclude.iter().map(|s| s.sql()).collect();
+        let rows = self
+            .conn()
+            .await?
+            .query(ACQUIRE, &[&me.id, &millis(lease), &(want as i64), &exclude])
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| Acquired {
+                fence: Fence {
+                    shard: ShardId::from_sql(r.get(0)),
+                    token: r.get(1),
+                },
+                previous: r.get(2),
+            })
+            .collect())
+    }
+
+    /// Gives the leases held under `tokens` back.
+    pub async fn give_back(&mut self, tokens: &[i64]) -> Result<(), StoreError> {
+        self.conn().await?.execute(GIVE_BACK, &[&tokens]).await?;
+        Ok(())
+    }
+
+    /// Leaves the replica list.
+    pub async fn leave(&mut self, me: &Replica) -> Result<(), StoreError> {
+        self.conn()
+            .await?
+            .execute(LEAVE, &[&me.id, &me.hostname, &me.pid])
+            .await?;
+        Ok(())
+    }
+}
+
+impl Store {
+    /// The number of shards the database hashes rows into.
+    pub async fn shard_count(&self) -> Result<u32, StoreError> {
+        shard_count(&*self.conn().await?).await
+    }
+
+    /// The newest migration applied, `None` when there is no schema.
+    pub async fn schema_version(&self) -> Result<Option<i32>, StoreError> {
+        match self.conn().await?.query_one(SCHEMA_VERSION, &[]).await {
+            Ok(row) => Ok(row.get(0)),
+            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => {
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The newest migration this binary knows.
+    pub fn latest_schema() -> i32 {
+        migrate::MIGRATIONS
+            .iter()
+            .map(|m| m.version)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Takes `shard` for `owner` whatever holds it now, with a new fencing
+    /// token, for `lease`. For tools that claim and mark without a relay
+    /// (`loadtest sql-ceiling`, tests); a relay never does this.
+    pub async fn seize_shard(
+        &self,
+        shard: ShardId,
+        owner: &str,
+        lease: Duration,
+    ) -> Result<Fence, StoreError> {
+        let token = self
+            .conn()
+            .await?
+            .query_one(SEIZE, &[&shard.sql(), &owner, &millis(lease)])
+            .await?
+            .get(0);
+        Ok(Fence { shard, token })
+    }
+
+    /// Gives back a shard taken with [`Store::seize_shard`].
+    pub async fn release_shard(&self, fence: Fence) -> Result<(), StoreError> {
+        self.conn()
+            .await?
+            .execute(GIVE_BACK, &[&vec![fence.token]])
+            .await?;
+        Ok(())
+    }
+
+    /// Sets the shard count to `n` (1–1024) and re-hashes every row. Returns
+    /// the number of rows rewritten. Refused while any replica holds a lease.
+    pub async fn reshard(&self, n: u32) -> Result<u64, StoreError> {
+        if !(1..=ShardId::MAX_SHARDS).contains(&n) {
+            return Err(StoreError::Refused(format!(
+                "the shard count must be between 1 and {}, not {n}",
+                ShardId::MAX_SHARDS
+            )));
+        }
+        let n = n as i32;
+        let mut conn = self.conn().await?;
+        let tx = conn.transaction().await?;
+        // Inserts wait for the few seconds this takes, so no row is hashed with
+        // the old count after the new one is set.
+        tx.batch_execute("LOCK TABLE outbox IN SHARE ROW EXCLUSIVE MODE")
+            .await?;
+        let owners: Vec<String> = tx
+            .query(LIVE_OWNERS, &[])
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        if !owners.is_empty() {
+            return Err(StoreError::Refused(format!(
+                "relays are running (replicas holding shard leases: {}); stop them first",
+                owners.join(", ")
+            )));
+        }
+        tx.execute(SET_SHARD_COUNT, &[&n]).await?;
+        tx.execute(RESHARD_LEASES, &[&n]).await?;
+        let rows = tx.execute(RESHARD_ROWS, &[&n]).await?;
+        tx.commit().await?;
+        Ok(rows)
+    }
+}
+
+/// The shard count, on any connection.
+pub async fn shard_count(client: &impl GenericClient) -> Result<u32, StoreError> {
+    let n: i32 = client.query_one(SHARD_COUNT, &[]).await?.get(0);
+    Ok(n as u32)
+}

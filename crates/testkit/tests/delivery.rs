@@ -393,7 +393,10 @@ async fn delivery_mode_refuses_what_it_cannot_deliver_and_bad_settings() {
     let s = sink(DeliveryConfig::default()).await;
     let dest = "http://127.0.0.1:9/x";
     for (headers, says) in [
-        ([("upstash-callback", "http://192.0.2.1/cb")], "loopback"),
+        (
+            [("upstash-callback", "http://192.0.2.1/cb")],
+            "upstash-callback: destination `http://192.0.2.1/cb` is not a loopback address",
+        ),
         ([("upstash-retries", "many")], "Upstash-Retries"),
         (
             [("upstash-flow-control-key", "k")],

@@ -319,7 +319,7 @@ impl Delivery {
             let Some(url) = header(url_header) else {
                 return Ok(None);
             };
-            check_loopback(url)?;
+            check_loopback(url).map_err(|e| format!("{url_header}: {e}"))?;
             Ok(Some(Callback {
                 url: url.to_owned(),
                 headers: stripped(headers, prefix),

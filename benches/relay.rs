@@ -101,7 +101,7 @@ fn cycle(c: &mut Criterion) {
         .build()
         .unwrap();
     let (db, sink_url) = rt.block_on(async {
-        let db = outbox_relay::testkit::TestDb::new()
+        let db = outbox_testkit::TestDb::with_setup(outbox_relay::store::migrate::run)
             .await
             .expect("a PostgreSQL for the cycle bench");
         let app = axum::Router::new().route(

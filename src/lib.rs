@@ -30,7 +30,8 @@ pub mod routes;
 pub mod server;
 pub mod sink;
 pub mod store;
-pub mod testkit;
+#[cfg(test)]
+mod testing;
 
 pub use config::Config;
 pub use daemon::run_until_signal;

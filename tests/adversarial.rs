@@ -10,11 +10,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::sink::{RawAnswer, Received, Reply, TestSink};
-use common::{config, count, insert_events, pending, wait_until, QSTASH_ROUTE, TOKEN};
+use common::{config, count, insert_events, pending, wait_until, QSTASH_ROUTE};
 use outbox_relay::config::{Config, PublishMode};
-use outbox_relay::testkit::TestDb;
 use outbox_relay::Relay;
+use outbox_testkit::sink::{RawAnswer, Received, Reply, SinkHandle};
+use outbox_testkit::TestDb;
 
 const LIMIT: Duration = Duration::from_secs(60);
 
@@ -24,7 +24,7 @@ fn n_of(r: &Received) -> u64 {
 }
 
 /// Every published row's deduplication id was accepted by the sink at least once.
-async fn assert_published_only_when_accepted(db: &TestDb, sink: &TestSink) {
+async fn assert_published_only_when_accepted(db: &TestDb, sink: &SinkHandle) {
     let accepted: std::collections::HashSet<String> =
         sink.accepted().into_iter().map(|r| r.dedup_id).collect();
     let client = db.client().await.unwrap();
@@ -49,7 +49,7 @@ async fn assert_published_only_when_accepted(db: &TestDb, sink: &TestSink) {
 }
 
 /// No row's `attempt_count` is above the number of requests that carried it.
-async fn assert_attempts_are_requests(db: &TestDb, sink: &TestSink) {
+async fn assert_attempts_are_requests(db: &TestDb, sink: &SinkHandle) {
     let mut seen: HashMap<String, i32> = HashMap::new();
     for r in sink.received() {
         *seen.entry(r.dedup_id).or_default() += 1;
@@ -94,8 +94,8 @@ fn hostile_body(i: u64) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn error_bodies_of_any_bytes_never_stop_delivery() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     // Rows 0..4 always fail with a hostile body (they end dead-lettered with a
     // readable reason); every third row fails once with one, then goes through.
     sink.set_rule(|r| {
@@ -202,8 +202,8 @@ fn garbled_answer(request: usize, msgs: &[Received]) -> (RawAnswer, Vec<bool>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_answer_that_cannot_be_read_publishes_nothing() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     let requests = Arc::new(AtomicUsize::new(0));
     let counter = Arc::clone(&requests);
     // The first 30 batch requests get garbled 2xx answers; then QStash behaves.
@@ -225,8 +225,8 @@ async fn a_batch_answer_that_cannot_be_read_publishes_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_batch_answer_is_read_whole() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     let first = Arc::new(AtomicUsize::new(0));
     let counter = Arc::clone(&first);
     // 400 messages a request, each answered with a long message id: about
@@ -266,12 +266,12 @@ async fn a_large_batch_answer_is_read_whole() {
 /// `for_how_long`, with only 3 attempts allowed per row; nothing may be
 /// dead-lettered and no attempt may be counted that was not a request.
 async fn survives_an_outage(
-    mut cfg: impl FnMut(&TestDb, &TestSink) -> Config,
+    mut cfg: impl FnMut(&TestDb, &SinkHandle) -> Config,
     outage: impl Fn(&Received) -> Reply + Send + Sync + 'static,
     for_how_long: Duration,
-) -> (TestDb, TestSink) {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+) -> (TestDb, SinkHandle) {
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     let started = Instant::now();
     sink.set_rule(move |r| {
         if started.elapsed() < for_how_long {
@@ -346,7 +346,7 @@ async fn a_redirecting_destination_pauses_the_route_instead_of_dead_lettering() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_destination_refusing_connections_pauses_the_route() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     // A port nobody listens on until the destination "comes back".
     let addr: SocketAddr = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -371,7 +371,7 @@ async fn a_destination_refusing_connections_pauses_the_route() {
         0,
         "dead-lettered while the destination was down"
     );
-    let sink = TestSink::start_on(TOKEN, addr).await;
+    let sink = common::start_sink_on(addr).await;
     let drained = wait_until(LIMIT, || async { pending(&db).await == 0 }).await;
     relay.shutdown().await;
     assert!(drained, "{} rows still pending", pending(&db).await);
@@ -390,8 +390,8 @@ fn unix_now() -> u64 {
 
 /// QStash's quota answers: the reset is a unix time in a header.
 async fn honours_reset_header(header: &'static str) {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     let reset_at = unix_now() + 3;
     let answered = Arc::new(AtomicUsize::new(0));
     let a = Arc::clone(&answered);
@@ -558,8 +558,8 @@ fn a_webhook_row_header_replaces_and_never_forges() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_ends_when_only_rows_scheduled_for_later_remain() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     insert_events(&db, 50, 5).await;
     {
         let mut client = db.client().await.unwrap();
@@ -586,8 +586,8 @@ async fn drain_ends_when_only_rows_scheduled_for_later_remain() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_reports_a_relay_that_gave_up() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     insert_events(&db, 50, 5).await;
     let mut cfg = config(&db, &sink.url(), QSTASH_ROUTE);
     cfg.relay.max_restarts = 2;

@@ -6,11 +6,12 @@
 //! the claim checks each head through the primary key whatever the
 //! statistics say is tested beside the statement, in `src/store/tests.rs`.)
 
+mod common;
+
 use std::time::Duration;
 
 use outbox_relay::store::outbox::{next_key_cursor, no_key_cursor, ClaimScope, KeyCursor};
 use outbox_relay::store::{Fence, Session, ShardId, Store};
-use outbox_relay::testkit::TestDb;
 use tokio_postgres::Client;
 
 struct Claim {
@@ -51,7 +52,7 @@ fn keys(got: &[(String, i64)]) -> Vec<&str> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_key_walk_resumes_after_its_cursor_and_wraps_around() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let client = db.client().await.unwrap();
     // Keys k0..k9 with three events each (ids in key-major order would make
     // age order and walk order agree; interleave them instead).

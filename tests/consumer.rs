@@ -28,7 +28,7 @@ use outbox_client::consumer::qstash::{Clock, SignatureError, Verifier};
 use outbox_client::consumer::webhooks::{WebhookError, WebhookVerifier};
 use outbox_client::{enqueue, NewEvent};
 use outbox_relay::server::callback::{failure_callback_router, CallbackOptions};
-use outbox_relay::testkit::TestDb;
+use outbox_testkit::TestDb;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -540,8 +540,8 @@ fn webhook_tampered_body_missing_and_garbage_headers() {
 // ───────────────────────────── consume_once ─────────────────────────────
 
 async fn setup_db() -> (TestDb, outbox_relay::store::Pool) {
-    let db = TestDb::new().await.unwrap();
-    let pool = db.pool(12).unwrap();
+    let db = common::test_db().await;
+    let pool = common::pool(&db, 12);
     let conn = pool.get().await.unwrap();
     conn.batch_execute("CREATE TABLE side_effects (message_id text NOT NULL, note text)")
         .await

@@ -1,13 +1,15 @@
 //! `outbox-relay dlq`: list, show, replay and purge against a real database
 //! holding dead, pending and published rows.
 
+mod common;
+
 use std::process::{Command, ExitCode};
 
 use clap::Parser;
 use outbox_client::{enqueue, Enqueued, NewEvent};
 use outbox_relay::cli::dlq::{self, DlqCommand, Selector};
 use outbox_relay::store::{Store, StoreError};
-use outbox_relay::testkit::TestDb;
+use outbox_testkit::TestDb;
 use serde_json::{json, Value};
 use tokio_postgres::Client;
 use uuid::Uuid;
@@ -67,7 +69,7 @@ async fn kill(client: &Client, id: i64, ago: &str, error: &str) {
 }
 
 async fn setup() -> (TestDb, Client, Rows) {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let mut client = db.client().await.unwrap();
     let rows = Rows {
         old_dead: insert(&mut client, "k-old", "order.failed").await,

@@ -6,12 +6,12 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::sink::{Reply, TestSink};
-use common::{config, count, insert_events, pending, wait_until, QSTASH_ROUTE, TOKEN};
+use common::{config, count, insert_events, pending, wait_until, QSTASH_ROUTE};
 use outbox_client::{enqueue, NewEvent};
 use outbox_relay::actors::Hooks;
-use outbox_relay::testkit::TestDb;
 use outbox_relay::Relay;
+use outbox_testkit::sink::Reply;
+use outbox_testkit::TestDb;
 use serde_json::json;
 use uuid::Uuid;
 
@@ -19,8 +19,8 @@ const DRAIN_LIMIT: Duration = Duration::from_secs(120);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drains_ten_thousand_events_across_a_hundred_keys() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     insert_events(&db, 10_000, 100).await;
     let relay = Relay::start(config(&db, &sink.url(), QSTASH_ROUTE))
         .await
@@ -54,8 +54,8 @@ async fn drains_ten_thousand_events_across_a_hundred_keys() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn qstash_headers_are_those_the_official_sdk_sends() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     let routes = r#"
         [[routes]]
         event_type = "order.*"
@@ -97,7 +97,8 @@ async fn qstash_headers_are_those_the_official_sdk_sends() {
     let got = sink.accepted();
     assert_eq!(got.len(), 1);
     let msg = &got[0];
-    assert_eq!(msg.destination, "https://example.com/api/x");
+    // QStash delivers to the destination with the publish request's query.
+    assert_eq!(msg.destination, "https://example.com/api/x?a=1");
     assert_eq!(
         sink.requests(),
         vec!["POST /v2/publish/https://example.com/api/x".to_owned()]
@@ -145,8 +146,8 @@ async fn qstash_headers_are_those_the_official_sdk_sends() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retries_after_503_honouring_retry_after() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     // Two failures per message, the second asking for 1 s. Fewer events than
     // the circuit breaker wants to call it an outage (tests/adversarial.rs
     // has the outages), so each failure is an attempt of its own.
@@ -196,8 +197,8 @@ async fn retries_after_503_honouring_retry_after() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backoff_sets_available_at_and_keeps_the_error() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     sink.set_rule(|_| Reply::Status(500, None));
     insert_events(&db, 1, 1).await;
     let mut cfg = config(&db, &sink.url(), QSTASH_ROUTE);
@@ -239,8 +240,8 @@ async fn backoff_sets_available_at_and_keeps_the_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_400_dead_letters_at_once_and_alone() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     sink.set_rule(|m| {
         if m.dedup_id == "evt-3" {
             Reply::Status(400, None)
@@ -283,8 +284,8 @@ async fn a_400_dead_letters_at_once_and_alone() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exhausting_max_attempts_dead_letters() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     sink.set_rule(|_| Reply::Status(502, None));
     insert_events(&db, 3, 3).await;
     let relay = Relay::start(config(&db, &sink.url(), QSTASH_ROUTE))
@@ -309,8 +310,8 @@ async fn exhausting_max_attempts_dead_letters() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_event_no_route_takes_is_dead_lettered_with_the_reason() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     let routes = r#"
         [[routes]]
         event_type = "user.*"
@@ -349,8 +350,8 @@ async fn an_event_no_route_takes_is_dead_lettered_with_the_reason() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ordered_keys_hold_back_behind_a_failing_event_and_others_flow() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     let routes = r#"
         [[routes]]
         event_type = "order.*"
@@ -398,7 +399,7 @@ async fn ordered_keys_hold_back_behind_a_failing_event_and_others_flow() {
         by_key
             .entry(r.partition_key())
             .or_default()
-            .push(r.outbox_id);
+            .push(r.outbox_id.expect("an outbox id"));
     }
     for (key, ids) in &by_key {
         let mut sorted = ids.clone();
@@ -446,8 +447,8 @@ async fn ordered_keys_hold_back_behind_a_failing_event_and_others_flow() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panicking_publisher_is_restarted_and_its_rows_come_back() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     insert_events(&db, 500, 50).await;
     let c = db.client().await.unwrap();
     let victim: i64 = c
@@ -482,8 +483,8 @@ async fn a_panicking_publisher_is_restarted_and_its_rows_come_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn recovers_when_its_database_connections_are_terminated() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     let relay = Relay::start(config(&db, &sink.url(), QSTASH_ROUTE))
         .await
         .unwrap();
@@ -537,8 +538,8 @@ async fn recovers_when_its_database_connections_are_terminated() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn webhook_routes_post_signed_events_and_retry_themselves() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
     let routes = format!(
         r#"
@@ -588,8 +589,8 @@ async fn webhook_routes_post_signed_events_and_retry_themselves() {
 async fn replayed_dead_letters_are_published_again_with_new_dedup_ids() {
     use outbox_relay::store::dead_letters::Selection;
     use outbox_relay::store::Store;
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     // The destination rejects everything at first.
     sink.set_rule(|_| Reply::Status(400, None));
     insert_events(&db, 5, 5).await;
@@ -638,8 +639,8 @@ async fn replayed_dead_letters_are_published_again_with_new_dedup_ids() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_shard_count_is_the_databases_and_reshard_changes_it() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     insert_events(&db, 300, 50).await;
     let mut cfg = config(&db, &sink.url(), QSTASH_ROUTE);
     cfg.relay.shards = Some(3);

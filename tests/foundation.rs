@@ -1,11 +1,13 @@
 //! Schema, migrations, producer API and config, against a real PostgreSQL.
 
+mod common;
+
 use std::process::Command;
 
 use outbox_client::{enqueue, enqueue_many, EnqueueError, Enqueued, NewEvent};
 use outbox_relay::config::Config;
 use outbox_relay::store::migrate;
-use outbox_relay::testkit::TestDb;
+use outbox_testkit::TestDb;
 use serde_json::json;
 use uuid::Uuid;
 
@@ -95,7 +97,7 @@ async fn migrate_from_two_processes_at_once() {
 
 #[tokio::test]
 async fn refuses_a_database_migrated_by_a_newer_binary() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let mut client = db.client().await.unwrap();
     client
         .execute("INSERT INTO outbox_relay_migrations (version, name, checksum) VALUES (99, 'future', 'x')", &[])
@@ -114,7 +116,7 @@ async fn refuses_a_database_migrated_by_a_newer_binary() {
 
 #[tokio::test]
 async fn enqueue_in_a_rolled_back_transaction_leaves_no_row() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let mut client = db.client().await.unwrap();
     let tx = client.transaction().await.unwrap();
     let r = enqueue(&tx, &event("k-rollback")).await.unwrap();
@@ -139,7 +141,7 @@ async fn enqueue_in_a_rolled_back_transaction_leaves_no_row() {
 
 #[tokio::test]
 async fn duplicate_idempotency_key_is_reported_not_an_error() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let mut client = db.client().await.unwrap();
     let tx = client.transaction().await.unwrap();
     let first = enqueue(&tx, &event("dup")).await.unwrap();
@@ -152,7 +154,7 @@ async fn duplicate_idempotency_key_is_reported_not_an_error() {
 
 #[tokio::test]
 async fn enqueue_many_in_one_round_trip_reports_each_event() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let mut client = db.client().await.unwrap();
     let tx = client.transaction().await.unwrap();
     enqueue(&tx, &event("b")).await.unwrap();
@@ -195,7 +197,7 @@ async fn enqueue_many_in_one_round_trip_reports_each_event() {
 
 #[tokio::test]
 async fn bad_events_get_typed_errors_before_the_database() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let mut client = db.client().await.unwrap();
     let tx = client.transaction().await.unwrap();
     let mut e = event("x");
@@ -237,7 +239,7 @@ async fn bad_events_get_typed_errors_before_the_database() {
 
 #[tokio::test]
 async fn an_application_using_only_the_classic_outbox_columns_still_works() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let client = db.client().await.unwrap();
     // The classic outbox enqueue: seven columns, jsonb from text.
     client

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use futures_util::StreamExt;
 use outbox_client::{enqueue, NewEvent};
 use outbox_relay::store::{self as db, migrate};
-use outbox_relay::testkit::TestDb;
+use outbox_testkit::TestDb;
 use serde_json::json;
 use tokio::sync::mpsc;
 use tokio_postgres::AsyncMessage;
@@ -53,7 +53,7 @@ async fn listening(
 /// one. The outbox must not make its producers notify.
 #[tokio::test]
 async fn an_outbox_insert_sends_no_notification() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let (listener, mut notes) = listening(&db.url).await;
     listener.batch_execute("LISTEN outbox_relay").await.unwrap();
     let mut producer = db.client().await.unwrap();
@@ -427,7 +427,7 @@ impl Roles {
                 .await
                 .unwrap();
         }
-        let server = db::connect(&outbox_relay::testkit::url_with_dbname(&db.url, "postgres"))
+        let server = db::connect(&outbox_testkit::url_with_dbname(&db.url, "postgres"))
             .await
             .unwrap();
         for name in &self.names {
@@ -447,7 +447,7 @@ impl Roles {
 /// not read a table the application was never granted.
 #[tokio::test]
 async fn an_app_role_that_may_only_insert_can_enqueue() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let roles = Roles::new(&["app"]);
     roles.create(&db).await;
     let admin = db.client().await.unwrap();
@@ -477,7 +477,6 @@ async fn an_app_role_that_may_only_insert_can_enqueue() {
 /// without being able to change the schema.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_migrate_app_and_relay_roles_do_their_jobs_and_nothing_more() {
-    use common::sink::TestSink;
     use outbox_client::consumer::idempotent::consume_once;
 
     let db = TestDb::empty().await.unwrap();
@@ -524,7 +523,7 @@ async fn the_migrate_app_and_relay_roles_do_their_jobs_and_nothing_more() {
         }
 
         // Relay role: delivers the event.
-        let sink = TestSink::start(common::TOKEN).await;
+        let sink = common::start_sink().await;
         let toml = common::config_toml(&db, &sink.url(), common::QSTASH_ROUTE)
             .replace(&db.url, &roles.url(&db, 2));
         let running =

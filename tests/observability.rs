@@ -13,13 +13,13 @@ use std::net::{SocketAddr, TcpListener};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::sink::{Received, Reply, TestSink};
 use common::{count, event, insert_events, pending, wait_until};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use outbox_client::{enqueue_many, NewEvent};
 use outbox_relay::metrics::names;
-use outbox_relay::testkit::TestDb;
+use outbox_testkit::sink::{Received, Reply, Sink, SinkConfig, SinkHandle};
+use outbox_testkit::TestDb;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
@@ -55,7 +55,7 @@ impl Settings {
     fn toml(
         &self,
         db: &TestDb,
-        sink: &TestSink,
+        sink: &SinkHandle,
         metrics: SocketAddr,
         callback: SocketAddr,
     ) -> String {
@@ -135,7 +135,7 @@ impl RelayProcess {
     /// Starts `outbox-relay [args] run` and waits until `/healthz` answers.
     async fn start(
         db: &TestDb,
-        sink: &TestSink,
+        sink: &SinkHandle,
         settings: &Settings,
         args: &[&str],
         log: &str,
@@ -516,8 +516,8 @@ fn rule_for(r: &Received) -> Reply {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_agree_with_the_database_after_retries_and_dead_letters() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(common::TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     sink.set_rule(rule_for);
     const EVENTS: usize = 300;
     insert_events(&db, EVENTS, 30).await;
@@ -818,8 +818,8 @@ async fn assert_healthy(relay: &RelayProcess) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_turns_unready_while_delivery_is_stalled_and_ready_after_recovery() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(common::TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     // Never exhausted during the test, so nothing counts as delivered while
     // the sink is down.
     let relay = RelayProcess::start(&db, &sink, &Settings::new(10_000), &[], "warn").await;
@@ -937,8 +937,8 @@ async fn json_logs_hide_secrets_and_warn_once_per_dead_letter() {
     const TOKEN: &str = "qstash-token-Zq8vObsSecret41";
     const CURRENT: &str = "sig_current_Kp3ObsSecret77";
     const NEXT: &str = "sig_next_Wr6ObsSecret19";
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = Sink::start(SinkConfig::for_tests(TOKEN)).await.unwrap();
     sink.set_rule(|r| match number(&r.dedup_id) {
         Some(3 | 11 | 25) => Reply::Status(422, None),
         Some(8) => Reply::Status(502, None),
@@ -1022,8 +1022,8 @@ async fn json_logs_hide_secrets_and_warn_once_per_dead_letter() {
 /// neither make the relay unready nor count as the oldest pending event.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scheduled_event_is_not_lag() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(common::TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     let mut later = event(0, "order:later");
     later.available_at = Some(chrono::Utc::now() + chrono::Duration::hours(1));
     insert(&db, &[later]).await;
@@ -1070,7 +1070,7 @@ async fn a_scheduled_event_is_not_lag() {
 #[tokio::test]
 async fn the_oldest_pending_age_counts_from_when_a_row_became_deliverable() {
     use outbox_relay::store::stats::snapshot;
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let client = db.client().await.unwrap();
     // created, available (both seconds from now), attempt_count
     let row = |key: &str, created: f64, available: f64, attempts: i32| {

@@ -1,6 +1,8 @@
 //! Operations against a real PostgreSQL: stats, retention, the janitor,
 //! partitions, and the janitor's config keys.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::process::Command;
 use std::time::Duration;
@@ -11,7 +13,7 @@ use outbox_relay::janitor::{run_janitor, run_janitor_observed};
 use outbox_relay::store::partitions::{self, MaintainOptions, PartitionAction};
 use outbox_relay::store::retention::{self as prune, PruneOptions};
 use outbox_relay::store::stats::{self, snapshot};
-use outbox_relay::testkit::TestDb;
+use outbox_testkit::TestDb;
 use serde_json::Value;
 use tokio_postgres::Client;
 
@@ -145,7 +147,7 @@ fn minute_index(window_start: DateTime<Utc>, t: DateTime<Utc>) -> Option<usize> 
 
 #[tokio::test]
 async fn stats_match_the_database_for_a_crafted_mix() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let mut client = db.client().await.unwrap();
     craft_mix(&client).await;
     flush_stats(&client).await;
@@ -275,7 +277,7 @@ async fn stats_match_the_database_for_a_crafted_mix() {
 
 #[tokio::test]
 async fn an_empty_outbox_has_zero_everything() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let mut client = db.client().await.unwrap();
     let report = stats::stats(&mut client).await.unwrap();
     let s = &report.snapshot;
@@ -290,7 +292,7 @@ async fn an_empty_outbox_has_zero_everything() {
 
 #[tokio::test]
 async fn stats_watch_prints_one_json_line_per_sample() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let mut child = tokio::process::Command::new(BIN)
         .args(["stats", "--json", "--watch", "1"])
         .env("DATABASE_URL", &db.url)
@@ -348,7 +350,7 @@ async fn craft_retention(client: &Client) -> (Vec<i64>, Vec<i64>) {
 
 #[tokio::test]
 async fn prune_deletes_only_old_published_rows_in_batches() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let client = db.client().await.unwrap();
     let (old, survivors) = craft_retention(&client).await;
     let options = PruneOptions {
@@ -383,7 +385,7 @@ async fn prune_deletes_only_old_published_rows_in_batches() {
 
 #[tokio::test]
 async fn prune_from_the_command_line_reports_what_it_deleted() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let client = db.client().await.unwrap();
     let (old, survivors) = craft_retention(&client).await;
     client
@@ -455,7 +457,7 @@ async fn prune_from_the_command_line_reports_what_it_deleted() {
 
 #[tokio::test]
 async fn processed_messages_are_pruned_past_their_ttl_in_batches() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let client = db.client().await.unwrap();
     client
         .batch_execute(
@@ -491,7 +493,7 @@ fn janitor_config(interval: Duration) -> JanitorConfig {
 
 #[tokio::test]
 async fn janitor_prunes_at_start_and_stops_on_shutdown() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let client = db.client().await.unwrap();
     let (old, survivors) = craft_retention(&client).await;
     client
@@ -505,7 +507,7 @@ async fn janitor_prunes_at_start_and_stops_on_shutdown() {
     let (passes_tx, mut passes) = tokio::sync::mpsc::unbounded_channel();
     // An hour between passes: only the pass at start can happen in this test.
     let janitor = tokio::spawn(run_janitor_observed(
-        outbox_relay::store::Store::with_pool(db.pool(2).unwrap()),
+        outbox_relay::store::Store::with_pool(common::pool(&db, 2)),
         janitor_config(Duration::from_secs(3600)),
         async {
             let _ = stopped.await;
@@ -549,12 +551,12 @@ async fn next(passes: &mut tokio::sync::mpsc::UnboundedReceiver<bool>) -> bool {
 
 #[tokio::test]
 async fn janitor_repeats_every_interval_and_survives_errors() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let client = db.client().await.unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let (passes_tx, mut passes) = tokio::sync::mpsc::unbounded_channel();
     let janitor = tokio::spawn(run_janitor_observed(
-        outbox_relay::store::Store::with_pool(db.pool(2).unwrap()),
+        outbox_relay::store::Store::with_pool(common::pool(&db, 2)),
         janitor_config(Duration::from_millis(20)),
         async {
             let _ = stopped.await;
@@ -586,11 +588,11 @@ async fn janitor_repeats_every_interval_and_survives_errors() {
 
 #[tokio::test]
 async fn a_disabled_janitor_returns_at_once() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let summary = tokio::time::timeout(
         PATIENCE,
         run_janitor(
-            outbox_relay::store::Store::with_pool(db.pool(1).unwrap()),
+            outbox_relay::store::Store::with_pool(common::pool(&db, 1)),
             JanitorConfig::default(),
             std::future::pending(),
         ),
@@ -684,7 +686,7 @@ async fn insert_partitioned(client: &Client, key: &str, days_ago: i32) -> Option
 }
 
 async fn partitioned_db() -> (TestDb, Client) {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let mut client = db.client().await.unwrap();
     let report = partitions::init(&mut client, 3).await.unwrap();
     assert_eq!(report.count(PartitionAction::Created), 4, "{report:?}");
@@ -946,7 +948,7 @@ async fn partition_maintenance_gives_up_on_a_held_lock_and_keeps_inserts_safe() 
 
 #[tokio::test]
 async fn partitioning_refuses_a_non_empty_or_partitioned_outbox() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let mut client = db.client().await.unwrap();
     let out = Command::new(BIN)
         .args(["partitions", "maintain"])
@@ -984,7 +986,7 @@ async fn partitioning_refuses_a_non_empty_or_partitioned_outbox() {
 
 #[tokio::test]
 async fn the_published_at_index_serves_the_throughput_series_and_retention() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let client = db.client().await.unwrap();
     // Enough published history that reading it all would be the planner's worst choice.
     client
@@ -1037,7 +1039,7 @@ async fn the_partitioned_outbox_has_every_column_and_index_of_the_migrated_one()
         FROM pg_indexes WHERE schemaname = 'public' AND tablename = 'outbox' ORDER BY 1";
     const TRIGGERS: &str = "SELECT tgname::text FROM pg_trigger
         WHERE tgrelid = 'outbox'::regclass AND NOT tgisinternal ORDER BY 1";
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let mut client = db.client().await.unwrap();
     let strings = |sql: &'static str| {
         let client = &client;

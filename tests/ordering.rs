@@ -7,13 +7,13 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use common::sink::TestSink;
-use common::{config, count, pending, wait_until, TOKEN};
+use common::{config, count, pending, wait_until};
 use outbox_client::{enqueue_many, NewEvent};
 use outbox_relay::config::PublishMode;
 use outbox_relay::store::Store;
-use outbox_relay::testkit::TestDb;
 use outbox_relay::Relay;
+use outbox_testkit::sink::SinkHandle;
+use outbox_testkit::TestDb;
 use serde_json::json;
 use uuid::Uuid;
 
@@ -50,8 +50,8 @@ fn ordered_event(i: usize, key: usize) -> NewEvent {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handover_waits_until_no_request_of_the_shard_is_open() {
     const DELAY: Duration = Duration::from_secs(8);
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     sink.set_delay(DELAY);
     let keys = 16;
     insert(
@@ -87,31 +87,15 @@ async fn a_handover_waits_until_no_request_of_the_shard_is_open() {
     b.shutdown().await;
     a.shutdown().await;
     assert!(drained, "{} pending", pending(&db).await);
-    // Each answer came DELAY after its request arrived: a key's requests
-    // overlap when two answers are less than DELAY apart.
-    let mut by_key: BTreeMap<String, Vec<Instant>> = BTreeMap::new();
-    for r in sink.received() {
-        by_key.entry(r.partition_key()).or_default().push(r.at);
-    }
-    let slack = Duration::from_millis(300);
-    for (key, mut times) in by_key {
-        times.sort();
-        for pair in times.windows(2) {
-            let gap = pair[1] - pair[0];
-            assert!(
-                gap + slack >= DELAY,
-                "key {key}: two requests overlapped ({gap:?} between their answers)"
-            );
-        }
-    }
+    assert_key_order(&sink, DELAY);
 }
 
 /// A big ordered backlog across many keys, and unordered events behind it in
 /// the same shards: both kinds drain together.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ordered_backlog_does_not_starve_unordered_types() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     let ordered = 4_000;
     let unordered = 400;
     insert(
@@ -174,13 +158,13 @@ async fn an_ordered_backlog_does_not_starve_unordered_types() {
 /// Each answer came `delay` after its request arrived: asserts that no key's
 /// requests overlapped, and that each key's events first reached the sink in
 /// id order.
-fn assert_key_order(sink: &TestSink, delay: Duration) {
+fn assert_key_order(sink: &SinkHandle, delay: Duration) {
     let mut by_key: BTreeMap<String, Vec<(Instant, i64)>> = BTreeMap::new();
     for r in sink.received() {
         by_key
             .entry(r.partition_key())
             .or_default()
-            .push((r.at, r.outbox_id));
+            .push((r.at, r.outbox_id.expect("the relay forwards the outbox id")));
     }
     let slack = Duration::from_millis(300);
     for (key, mut seen) in by_key {
@@ -213,8 +197,8 @@ fn assert_key_order(sink: &TestSink, delay: Duration) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reshard_while_the_relay_runs_keeps_every_key_in_order() {
     const DELAY: Duration = Duration::from_millis(150);
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     sink.set_delay(DELAY);
     let keys = 40;
     insert(
@@ -254,8 +238,8 @@ async fn a_reshard_while_the_relay_runs_keeps_every_key_in_order() {
 /// delivered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn producers_that_straddle_a_reshard_are_not_lost_nor_blocking() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     let mut early = db.client().await.unwrap();
     let mut open = db.client().await.unwrap();
     // The snapshot is taken before the reshard...

@@ -5,15 +5,15 @@ mod common;
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use common::process::RelayProcess;
-use common::sink::TestSink;
 use common::{config_toml, count, insert_events, pending, wait_until, QSTASH_ROUTE, TOKEN};
 use nix::sys::signal::Signal;
-use outbox_relay::testkit::TestDb;
+use outbox_testkit::relay::{Output, RelayProcess};
+use outbox_testkit::sink::SinkHandle;
+use outbox_testkit::TestDb;
 
-fn start(db: &TestDb, sink: &TestSink, args: &[&str]) -> RelayProcess {
-    let stdout = std::process::Stdio::piped();
-    RelayProcess::spawn(args, &config_toml(db, &sink.url(), QSTASH_ROUTE), stdout)
+fn start(db: &TestDb, sink: &SinkHandle, args: &[&str]) -> RelayProcess {
+    let toml = config_toml(db, &sink.url(), QSTASH_ROUTE);
+    common::spawn_relay(args, &toml, Output::Captured)
 }
 
 async fn live_leases(db: &TestDb) -> HashSet<String> {
@@ -33,8 +33,8 @@ async fn live_leases(db: &TestDb) -> HashSet<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_mid_drain_then_restart_loses_nothing() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     sink.set_delay(Duration::from_millis(20));
     insert_events(&db, 4000, 200).await;
     let mut relay = start(&db, &sink, &["run"]);
@@ -92,8 +92,8 @@ async fn sigkill_mid_drain_then_restart_loses_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_mid_drain_exits_zero_within_the_grace_and_releases_leases() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     sink.set_delay(Duration::from_millis(50));
     insert_events(&db, 4000, 200).await;
     let mut relay = start(&db, &sink, &["run"]);
@@ -130,13 +130,13 @@ async fn sigterm_mid_drain_exits_zero_within_the_grace_and_releases_leases() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_runs_until_the_backlog_is_empty_and_reports() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     sink.set_rule(|m| {
         if m.dedup_id == "evt-5" {
-            common::sink::Reply::Status(422, None)
+            outbox_testkit::sink::Reply::Status(422, None)
         } else {
-            common::sink::Reply::Accept
+            outbox_testkit::sink::Reply::Accept
         }
     });
     insert_events(&db, 300, 30).await;
@@ -146,8 +146,7 @@ async fn drain_runs_until_the_backlog_is_empty_and_reports() {
         .await
         .expect("drain exits");
     assert!(status.success());
-    let mut out = String::new();
-    std::io::Read::read_to_string(relay.child.stdout.as_mut().unwrap(), &mut out).unwrap();
+    let out = relay.read_stdout().await.unwrap();
     let report: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(report["counters"]["published"], 299);
     assert_eq!(report["counters"]["dead_lettered"], 1);
@@ -160,8 +159,8 @@ async fn drain_runs_until_the_backlog_is_empty_and_reports() {
 /// INSERTs of the original table's columns. Every event must arrive.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readme_steps_with_the_shipped_config_deliver_every_event() {
-    let db = TestDb::new().await.unwrap();
-    let sink = TestSink::start(TOKEN).await;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
     let client = db.client().await.unwrap();
     client
         .batch_execute(
@@ -175,7 +174,7 @@ async fn readme_steps_with_the_shipped_config_deliver_every_event() {
         .unwrap();
     let config = concat!(env!("CARGO_MANIFEST_DIR"), "/config/relay.toml");
     let run = |args: &[&str]| {
-        std::process::Command::new(common::process::BIN)
+        std::process::Command::new(common::BIN)
             .args(args)
             .env("DATABASE_URL", &db.url)
             .env("QSTASH_URL", sink.url())
@@ -249,7 +248,7 @@ fn run_without_a_route_stops_at_start_saying_how_to_add_one() {
         "[database]\nurl = \"postgres://postgres@127.0.0.1:1/x\"\n[qstash]\ntoken = \"t\"\n",
     )
     .unwrap();
-    let out = std::process::Command::new(common::process::BIN)
+    let out = std::process::Command::new(common::BIN)
         .args(["run", "--config"])
         .arg(&path)
         .env("OUTBOX_RELAY_SERVER__METRICS_BIND", "127.0.0.1:0")
@@ -278,7 +277,7 @@ fn config_is_one_flag_before_or_after_the_command() {
         ["check-config", "--config", path],
         ["--config", path, "check-config"],
     ] {
-        let out = std::process::Command::new(common::process::BIN)
+        let out = std::process::Command::new(common::BIN)
             .args(args)
             .env_remove("DATABASE_URL")
             .env_remove("QSTASH_URL")

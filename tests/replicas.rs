@@ -6,16 +6,17 @@
 mod common;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::process::{RelayProcess, BIN};
-use common::sink::{Received, TestSink};
-use common::{config_toml, count, insert_events, pending, wait_until, TOKEN};
+use common::BIN;
+use common::{config_toml, count, insert_events, pending, wait_until};
 use nix::sys::signal::Signal;
 use outbox_relay::store::outbox::{no_cursor, ClaimScope, Held, Write};
 use outbox_relay::store::{Fence, ShardId, Store};
-use outbox_relay::testkit::TestDb;
+use outbox_testkit::relay::{Output, RelayProcess};
+use outbox_testkit::sink::{Received, SinkHandle};
+use outbox_testkit::TestDb;
 
 const SHARDS: u32 = 16;
 
@@ -30,7 +31,7 @@ ordering = "partition_key"
 /// shard lease, and the row lease and request timeout given.
 fn replica_toml(
     db: &TestDb,
-    sink: &TestSink,
+    sink: &SinkHandle,
     name: &str,
     metrics_port: u16,
     lease: &str,
@@ -68,12 +69,12 @@ struct Replica {
 }
 
 impl Replica {
-    fn start(db: &TestDb, sink: &TestSink, name: &str, lease: &str, timeout: &str) -> Replica {
+    fn start(db: &TestDb, sink: &SinkHandle, name: &str, lease: &str, timeout: &str) -> Replica {
         let metrics_port = free_port();
         let toml = replica_toml(db, sink, name, metrics_port, lease, timeout);
         Replica {
             name: name.to_owned(),
-            process: RelayProcess::spawn(&["run"], &toml, Stdio::null()),
+            process: common::spawn_relay(&["run"], &toml, Output::Null),
             metrics_port,
         }
     }
@@ -128,10 +129,10 @@ async fn scrape(port: u16) -> Option<String> {
 
 /// A fresh database sharded 16 ways with `n` events over `keys` keys, and a
 /// sink answering after `delay_ms`.
-async fn backlog(n: usize, keys: usize, delay_ms: u64) -> (TestDb, TestSink) {
-    let db = TestDb::new().await.unwrap();
+async fn backlog(n: usize, keys: usize, delay_ms: u64) -> (TestDb, SinkHandle) {
+    let db = common::test_db().await;
     reshard(&db).await;
-    let sink = TestSink::start(TOKEN).await;
+    let sink = common::start_sink().await;
     sink.set_delay(Duration::from_millis(delay_ms));
     insert_events(&db, n, keys).await;
     (db, sink)
@@ -141,7 +142,7 @@ async fn backlog(n: usize, keys: usize, delay_ms: u64) -> (TestDb, TestSink) {
 /// and the sink accepted at least `min_accepted` events.
 async fn start_split(
     db: &TestDb,
-    sink: &TestSink,
+    sink: &SinkHandle,
     names: &[&str],
     lease: &str,
     request_timeout: &str,
@@ -222,19 +223,20 @@ fn order_violations(received: &[Received]) -> Vec<String> {
             continue;
         }
         let key = r.partition_key();
+        let id = r.outbox_id.expect("an outbox id");
         if let Some(prev) = last.get(&key) {
-            if *prev > r.outbox_id {
-                violations.push(format!("key {key}: id {} after id {prev}", r.outbox_id));
+            if *prev > id {
+                violations.push(format!("key {key}: id {id} after id {prev}"));
             }
         }
-        last.insert(key, r.outbox_id);
+        last.insert(key, id);
     }
     violations
 }
 
 /// Waits for the backlog to drain, then checks that the sink has every one of
 /// the `n` events and that each key's first receipts came in id order.
-async fn assert_drained_in_order(db: &TestDb, sink: &TestSink, n: usize) {
+async fn assert_drained_in_order(db: &TestDb, sink: &SinkHandle, n: usize) {
     assert!(
         wait_until(Duration::from_secs(120), || async {
             pending(db).await == 0
@@ -553,7 +555,7 @@ impl ByHand {
 /// shard's changes no row.
 #[tokio::test]
 async fn claims_and_marks_under_a_superseded_token_change_no_row() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     insert_events(&db, 200, 1).await; // one key: one shard
     let client = db.client().await.unwrap();
     let shard: i16 = client

@@ -9,12 +9,13 @@ use std::time::Duration;
 
 use base64::engine::general_purpose::{STANDARD, URL_SAFE};
 use base64::Engine;
-use common::process::{without_config_env, BIN};
+use common::BIN;
 use jsonwebtoken::Algorithm;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use outbox_client::{enqueue, Enqueued, NewEvent};
-use outbox_relay::testkit::TestDb;
+use outbox_testkit::relay::without_config_env;
+use outbox_testkit::TestDb;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
@@ -210,7 +211,7 @@ fn daemon_toml(callback_bind: SocketAddr, callback_url: &str) -> String {
 
 #[tokio::test]
 async fn the_json_startup_log_redacts_every_form_of_credential() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let callback = free_port();
     let mut daemon = Daemon::start(
         &daemon_toml(
@@ -268,7 +269,7 @@ async fn post(url: &str, signature: &str, body: &[u8]) -> (u16, String) {
 
 #[tokio::test]
 async fn the_daemons_failure_callback_accepts_only_its_own_url() {
-    let db = TestDb::new().await.unwrap();
+    let db = common::test_db().await;
     let mut client = db.client().await.unwrap();
     let tx = client.transaction().await.unwrap();
     let Enqueued::New { id } = enqueue(

@@ -38,8 +38,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::sink::{AnswerEvent, AnswerKind, OutageKind, OutageWindow};
 use crate::verify::{sample_ids, OutboxRow};
+use outbox_testkit::sink::{AnswerEvent, AnswerKind, OutageKind, OutageWindow};
 
 /// How often the harness samples progress.
 pub const SAMPLE_EVERY: Duration = Duration::from_millis(250);

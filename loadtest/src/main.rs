@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use loadtest::producer::{self, EventMix, LoadSpec, PreloadSpec, Skew};
-use loadtest::relay::RelayProgram;
 use loadtest::runner::{run_scenario, RunOptions};
 use loadtest::scenario::Scenario;
-use loadtest::sink::{DeliveryConfig, FaultConfig, Sink, SinkConfig, DEV_TOKEN};
+use outbox_testkit::relay::RelayProgram;
+use outbox_testkit::sink::{DeliveryConfig, FaultConfig, Sink, SinkConfig, DEV_TOKEN};
 
 #[derive(Parser)]
 #[command(
@@ -224,6 +224,7 @@ impl SinkArgs {
             dedup_window: self.dedup_window,
             faults: f,
             delivery: self.deliver.then(DeliveryConfig::default),
+            ..SinkConfig::default()
         })
     }
 }

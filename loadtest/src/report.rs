@@ -14,8 +14,8 @@ use crate::adversarial::AdversarialReport;
 use crate::metrics::ReplicaMetrics;
 use crate::procstat::RelayUsage;
 use crate::producer::ProduceStats;
-use crate::sink::{Record, SinkStats};
 use crate::verify::{OutboxRow, Verification};
+use outbox_testkit::sink::{DestinationReport, Record, SinkStats};
 
 /// Latency percentiles in microseconds.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -310,6 +310,9 @@ pub struct Report {
     /// The adversarial scenario's checks.
     #[serde(default)]
     pub adversarial: Option<AdversarialReport>,
+    /// Delivery mode: what reached the final destination, and in which order.
+    #[serde(default)]
+    pub destination: Option<DestinationReport>,
     pub passed: bool,
     pub failures: Vec<String>,
     pub verification: Verification,
@@ -418,6 +421,7 @@ impl Report {
             replica_metrics: Vec::new(),
             vacuum: None,
             adversarial: None,
+            destination: None,
             passed: failures.is_empty(),
             failures,
             verification: input.verification,
@@ -508,6 +512,22 @@ impl Report {
                 ),
             ),
         ];
+        if let Some(d) = &self.destination {
+            rows.push((
+                "destination calls",
+                format!(
+                    "{} ({} failed), {} events delivered ({} more than once)",
+                    d.calls, d.failed_calls, d.events_delivered, d.events_delivered_twice
+                ),
+            ));
+            rows.push((
+                "destination order",
+                format!(
+                    "{} events out of order in {} of {} keys; most calls of a key in flight at once: {}",
+                    d.out_of_order, d.out_of_order_keys, d.keys, d.max_in_flight_per_key
+                ),
+            ));
+        }
         if let Some(c) = &self.chaos {
             rows.push((
                 "chaos kills",

@@ -1,10 +1,12 @@
 //! Runs one scenario end to end:
 //!
 //! 1. a fresh database: on the server given (`--database-url`), else on a
-//!    throwaway cluster of our own (`testkit::ThrowawayCluster`);
+//!    throwaway cluster of our own (`outbox_testkit::ThrowawayCluster`);
 //! 2. `outbox-relay migrate`;
-//! 3. the in-process sink, with the scenario's faults;
-//! 4. the relay's TOML config (one QStash route to the sink), written to the
+//! 3. the in-process sink, with the scenario's faults; with `[sink.delivery]`
+//!    also the final destination it delivers to;
+//! 4. the relay's TOML config (one QStash route through the sink, to its
+//!    `/hook` or to the final destination), written to the
 //!    output directory: `relay.toml`, or `relay-<i>.toml` per replica when the
 //!    scenario runs several (`replicas`), each with its own metrics port;
 //! 5. preload (drain), then the relay child processes (one per replica, logs in
@@ -18,7 +20,9 @@
 //! 8. scrape each replica's `/metrics` once, SIGTERM every replica (each must
 //!    exit 0); with `[vacuum_watch]`, watch the outbox's dead tuples until
 //!    autovacuum reclaims them;
-//! 9. verify, report (table, JSON, SVG).
+//! 9. with `[sink.delivery]`, wait for the deliveries to end and check each
+//!    partition key's order at the final destination;
+//! 10. verify, report (table, JSON, SVG).
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -34,11 +38,11 @@ use crate::adversarial::{self, ProgressSample};
 use crate::metrics::ReplicaMetrics;
 use crate::procstat::UsageTracker;
 use crate::producer::{self, ProduceProgress, ProduceStats, APPLICATION_NAME};
-use crate::relay::{RelayCommand, RelayError, RelayProcess, RelayProgram};
 use crate::report::{ChaosStats, DeadTuplePoint, Report, ReportInput, VacuumReport};
 use crate::scenario::{replica_config_toml, ChaosSpec, Scenario, ScenarioKind, VacuumWatchSpec};
-use crate::sink::{Sink, SinkConfig};
 use crate::verify::{load_rows, verify, verify_rows, VerifyOptions};
+use outbox_testkit::relay::{Output, RelayCommand, RelayError, RelayProcess, RelayProgram};
+use outbox_testkit::sink::{check_order, Destination, Sink, SinkConfig};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
@@ -80,9 +84,9 @@ impl RunOptions {
     pub fn new(out_dir: impl Into<PathBuf>) -> Self {
         RunOptions {
             database_url: None,
-            relay: crate::relay::locate_relay(
+            relay: outbox_testkit::relay::locate_relay(
                 &std::env::current_exe().unwrap_or_default(),
-                crate::relay::compiled_sources().as_deref(),
+                outbox_testkit::relay::compiled_sources().as_deref(),
             ),
             out_dir: out_dir.into(),
             keep_database: false,
@@ -97,7 +101,7 @@ pub struct RunDatabase {
     pub url: String,
     pub name: String,
     server_url: String,
-    cluster: Option<outbox_relay::testkit::ThrowawayCluster>,
+    cluster: Option<outbox_testkit::ThrowawayCluster>,
 }
 
 impl RunDatabase {
@@ -106,11 +110,10 @@ impl RunDatabase {
         let (server_url, cluster) = match server_url {
             Some(url) => (url.to_owned(), None),
             None => {
-                let cluster =
-                    tokio::task::spawn_blocking(outbox_relay::testkit::ThrowawayCluster::start)
-                        .await
-                        .map_err(|e| setup("throwaway cluster")(&e))?
-                        .map_err(|e| setup("throwaway cluster")(&e))?;
+                let cluster = tokio::task::spawn_blocking(outbox_testkit::ThrowawayCluster::start)
+                    .await
+                    .map_err(|e| setup("throwaway cluster")(&e))?
+                    .map_err(|e| setup("throwaway cluster")(&e))?;
                 (cluster.url(), Some(cluster))
             }
         };
@@ -123,7 +126,7 @@ impl RunDatabase {
             .batch_execute(&format!("CREATE DATABASE {name}"))
             .await?;
         Ok(RunDatabase {
-            url: outbox_relay::testkit::url_with_dbname(&server_url, &name),
+            url: outbox_testkit::url_with_dbname(&server_url, &name),
             name,
             server_url,
             cluster,
@@ -344,36 +347,46 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
     );
     let admin = producer::connect(&db.url).await?;
 
+    // Delivery mode: the final destination the sink delivers to.
+    let destination = match &s.sink.delivery {
+        Some(d) => Some(
+            Destination::start(d.destination())
+                .await
+                .map_err(|e| setup("destination")(&e))?,
+        ),
+        None => None,
+    };
     let sink = Sink::start(SinkConfig {
         dedup_window: s.sink.dedup_window,
         faults: s.sink.faults.clone(),
+        delivery: s.sink.delivery.as_ref().map(|d| d.delivery()),
         ..SinkConfig::default()
     })
     .await
     .map_err(|e| setup("sink")(&e))?;
+    let route_destination = match &destination {
+        Some(d) => format!("{}/events", d.url()),
+        None => format!("{}/hook", sink.url()),
+    };
     let mut replicas = Vec::with_capacity(s.replicas as usize);
     let mut lease = Duration::ZERO;
     for (i, port) in (0..s.replicas).zip(free_ports(s.replicas as usize)?) {
         let config = opts
             .out_dir
             .join(replica_file_name("relay", "toml", i, s.replicas));
-        let text = replica_config_toml(s, sink.addr().port(), port, i)?;
+        let text = replica_config_toml(s, sink.addr().port(), &route_destination, port, i)?;
         let parsed: outbox_relay::Config =
             toml::from_str(&text).map_err(|e| setup("relay config")(&e))?;
         lease = lease.max(parsed.relay.lease);
         std::fs::write(&config, text)?;
-        let cmd = RelayCommand {
-            bin: opts.relay.bin.clone(),
-            args: opts.relay.args.clone(),
-            config,
-            database_url: db.url.clone(),
-            qstash_url: sink.url(),
-            qstash_token: sink.token().to_owned(),
-            log: Some(
-                opts.out_dir
-                    .join(replica_file_name("relay", "log", i, s.replicas)),
-            ),
-        };
+        let log = opts
+            .out_dir
+            .join(replica_file_name("relay", "log", i, s.replicas));
+        let cmd = RelayCommand::new(&opts.relay, config)
+            .env("DATABASE_URL", &db.url)
+            .env("QSTASH_URL", sink.url())
+            .env("QSTASH_TOKEN", sink.token())
+            .output(Output::Append(log.clone()), Output::Append(log));
         replicas.push(Replica {
             index: i,
             cmd,
@@ -626,11 +639,45 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
         None => None,
     };
 
+    // Delivery mode: the deliveries (and their retries) still under way end
+    // before the destination is checked.
+    let destination_report = match (&destination, &s.sink.delivery) {
+        (Some(dest), Some(spec)) => {
+            let fresh = sink.records().iter().filter(|r| !r.deduplicated).count();
+            if !sink.wait_for_deliveries(fresh, spec.settle_timeout).await {
+                failures.push(format!(
+                    "{} of {fresh} deliveries still under way after settle_timeout ({})",
+                    fresh - sink.deliveries().len().min(fresh),
+                    humantime::format_duration(spec.settle_timeout)
+                ));
+            }
+            let checked = check_order(&dest.calls(), s.ordered().then_some(1));
+            if s.ordered() && spec.check_order && checked.out_of_order > 0 {
+                failures.push(format!(
+                    "{} events reached the destination out of order in {} keys: {}",
+                    checked.out_of_order,
+                    checked.out_of_order_keys,
+                    checked.examples.join("; ")
+                ));
+            }
+            if checked.over_parallelism_keys > 0 {
+                failures.push(format!(
+                    "{} keys had more calls in flight at the destination than parallelism 1",
+                    checked.over_parallelism_keys
+                ));
+            }
+            Some(checked)
+        }
+        _ => None,
+    };
     let records = sink.records();
     let sink_stats = sink.stats();
     let answers = sink.answers();
     let outages = sink.outages();
     sink.stop().await;
+    if let Some(dest) = destination {
+        dest.stop().await;
+    }
     let mut opts_verify = VerifyOptions {
         ordered: s.ordered(),
         poison_ids: s.sink.faults.poison_ids.clone(),
@@ -682,6 +729,7 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
     report.replicas = s.replicas;
     report.replica_metrics = replica_metrics;
     report.vacuum = vacuum;
+    report.destination = destination_report;
     if let Some(a) = adversarial_report {
         failures.extend(a.failures());
         report.adversarial = Some(a);

@@ -8,7 +8,7 @@ use outbox_relay::config::Ordering;
 use serde::{Deserialize, Serialize};
 
 use crate::producer::{LoadSpec, PreloadSpec};
-use crate::sink::FaultConfig;
+use outbox_testkit::sink::{DeliveryConfig, DestinationConfig, FaultConfig, RetryDelay};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -120,6 +120,8 @@ pub struct SinkSpec {
     #[serde(with = "humantime_serde")]
     pub dedup_window: Duration,
     pub faults: FaultConfig,
+    /// Delivery mode; off when absent.
+    pub delivery: Option<DeliverySpec>,
 }
 
 impl Default for SinkSpec {
@@ -127,7 +129,96 @@ impl Default for SinkSpec {
         SinkSpec {
             dedup_window: Duration::from_secs(600),
             faults: FaultConfig::default(),
+            delivery: None,
         }
+    }
+}
+
+/// `[sink.delivery]`: the sink delivers what it accepted to a final
+/// destination of the harness, as QStash does (flow control, retries after a
+/// delay), and the run checks each partition key's order where the events
+/// arrive, not only where QStash accepted them. The relay's route points at
+/// that destination.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DeliverySpec {
+    /// Pause before a retry: a duration, or `"qstash"` for QStash's own
+    /// `min(86400, e^(2.5·n))` seconds (far longer than a run).
+    pub retry_delay: RetryDelay,
+    /// Each pause drawn uniformly from `[retry_delay, retry_delay_max]`.
+    #[serde(default, with = "humantime_serde")]
+    pub retry_delay_max: Option<Duration>,
+    /// Retries of a message whose route sets no `retries`.
+    pub retries: u32,
+    /// Bound on one delivery attempt.
+    #[serde(with = "humantime_serde")]
+    pub attempt_timeout: Duration,
+    /// Fraction of the destination's calls answered 503.
+    pub failure_rate: f64,
+    /// Time each destination call takes, plus a uniform `[0, jitter)`.
+    #[serde(with = "humantime_serde")]
+    pub latency: Duration,
+    #[serde(with = "humantime_serde")]
+    pub jitter: Duration,
+    /// Seed of the retry pauses and of the destination's failures.
+    pub seed: u64,
+    /// Fail the run when, in an ordered scenario, a key's events reach the
+    /// destination out of order (else it is only reported).
+    pub check_order: bool,
+    /// After the drain, how long deliveries and their retries may take to end.
+    #[serde(with = "humantime_serde")]
+    pub settle_timeout: Duration,
+}
+
+impl Default for DeliverySpec {
+    fn default() -> Self {
+        DeliverySpec {
+            retry_delay: RetryDelay::Fixed(Duration::from_secs(1)),
+            retry_delay_max: None,
+            retries: 3,
+            attempt_timeout: Duration::from_secs(5),
+            failure_rate: 0.0,
+            latency: Duration::ZERO,
+            jitter: Duration::ZERO,
+            seed: 0,
+            check_order: true,
+            settle_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+impl DeliverySpec {
+    /// The sink's delivery settings.
+    pub fn delivery(&self) -> DeliveryConfig {
+        DeliveryConfig {
+            retries: self.retries,
+            attempt_timeout: self.attempt_timeout,
+            retry_delay: self.retry_delay,
+            retry_delay_max: self.retry_delay_max,
+            seed: self.seed,
+            ..DeliveryConfig::default()
+        }
+    }
+
+    /// The final destination's settings.
+    pub fn destination(&self) -> DestinationConfig {
+        DestinationConfig {
+            failure_rate: self.failure_rate,
+            latency: self.latency,
+            jitter: self.jitter,
+            seed: self.seed,
+            ..DestinationConfig::default()
+        }
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        self.delivery()
+            .validate()
+            .map_err(|e| format!("sink.{e}"))?;
+        // The destination's keys are delivery keys here.
+        self.destination()
+            .validate()
+            .map_err(|e| format!("sink.{}", e.replacen("destination.", "delivery.", 1)))
     }
 }
 
@@ -303,6 +394,9 @@ impl Scenario {
             )));
         }
         self.sink.faults.validate().map_err(invalid)?;
+        if let Some(d) = &self.sink.delivery {
+            d.validate().map_err(invalid)?;
+        }
         Ok(())
     }
 
@@ -321,16 +415,20 @@ pub fn relay_config_toml(
     sink_port: u16,
     metrics_port: u16,
 ) -> Result<String, ScenarioError> {
-    replica_config_toml(scenario, sink_port, metrics_port, 0)
+    let destination = format!("http://127.0.0.1:{sink_port}/hook");
+    replica_config_toml(scenario, sink_port, &destination, metrics_port, 0)
 }
 
 /// [`relay_config_toml`] for replica `replica` (0-based) of the run: every
 /// `{replica}` in a string value of the scenario's `relay_config` becomes the
 /// replica's number, so replicas can differ, e.g. in a log prefix or (once
-/// the engine has it) `relay.replica_id = "loadtest-{replica}"`.
+/// the engine has it) `relay.replica_id = "loadtest-{replica}"`. The route's
+/// destination is `destination` (the sink's `/hook`, or the final destination
+/// in delivery mode).
 pub fn replica_config_toml(
     scenario: &Scenario,
     sink_port: u16,
+    destination: &str,
     metrics_port: u16,
     replica: u32,
 ) -> Result<String, ScenarioError> {
@@ -344,10 +442,7 @@ pub fn replica_config_toml(
     let mut route = toml::Table::new();
     route.insert("event_type".into(), "*".into());
     route.insert("sink".into(), "qstash".into());
-    route.insert(
-        "destination".into(),
-        format!("http://127.0.0.1:{sink_port}/hook").into(),
-    );
+    route.insert("destination".into(), destination.into());
     let ordering = toml::Value::try_from(scenario.ordering).map_err(|e| err(&e))?;
     route.insert("ordering".into(), ordering);
     if scenario.ordered() {
@@ -494,7 +589,14 @@ current_signing_key = "sig-replica-{replica}"
     fn each_replica_gets_its_number_in_overrides() {
         let s = Scenario::from_toml_str(CHAOS).unwrap();
         for replica in [0, 2] {
-            let text = replica_config_toml(&s, 4321, 4330 + replica as u16, replica).unwrap();
+            let text = replica_config_toml(
+                &s,
+                4321,
+                "http://127.0.0.1:4321/hook",
+                4330 + replica as u16,
+                replica,
+            )
+            .unwrap();
             let c: toml::Table = toml::from_str(&text).unwrap();
             assert_eq!(
                 c["qstash"]["current_signing_key"].as_str(),

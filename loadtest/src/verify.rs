@@ -20,7 +20,7 @@ use std::collections::{BTreeSet, HashMap};
 use futures_util::TryStreamExt;
 use serde::{Deserialize, Serialize};
 
-use crate::sink::Record;
+use outbox_testkit::sink::Record;
 
 /// One outbox row, as far as verification and reports care.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -6,7 +6,8 @@ use std::time::Duration;
 use loadtest::producer::{
     preload, produce, EventMix, LoadSpec, PreloadSpec, ProduceProgress, Skew,
 };
-use outbox_relay::testkit::TestDb;
+use outbox_relay::store::migrate;
+use outbox_testkit::TestDb;
 
 async fn count(db: &TestDb, sql: &str) -> i64 {
     db.client()
@@ -20,7 +21,7 @@ async fn count(db: &TestDb, sql: &str) -> i64 {
 
 #[tokio::test]
 async fn paced_load_honours_the_rate() {
-    let db = TestDb::new().await.unwrap();
+    let db = TestDb::with_setup(migrate::run).await.unwrap();
     let spec = LoadSpec {
         rate: Some(500.0),
         duration: Duration::from_secs(2),
@@ -44,7 +45,7 @@ async fn paced_load_honours_the_rate() {
 
 #[tokio::test]
 async fn flat_out_load_stops_at_an_exact_count() {
-    let db = TestDb::new().await.unwrap();
+    let db = TestDb::with_setup(migrate::run).await.unwrap();
     let progress = Arc::new(ProduceProgress::default());
     let spec = LoadSpec {
         rate: None,
@@ -88,7 +89,7 @@ async fn flat_out_load_stops_at_an_exact_count() {
 
 #[tokio::test]
 async fn copy_preload_writes_exactly_the_count() {
-    let db = TestDb::new().await.unwrap();
+    let db = TestDb::with_setup(migrate::run).await.unwrap();
     let spec = PreloadSpec {
         events: 20_001,
         connections: 2,
@@ -125,7 +126,7 @@ async fn copy_preload_writes_exactly_the_count() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sql_ceiling_claims_and_marks_every_pending_row() {
-    let db = outbox_relay::testkit::TestDb::new().await.unwrap();
+    let db = TestDb::with_setup(migrate::run).await.unwrap();
     let spec = loadtest::producer::PreloadSpec {
         events: 3000,
         ..Default::default()

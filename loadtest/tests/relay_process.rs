@@ -1,4 +1,5 @@
-//! The relay child-process paths, against a stand-in script (the engine is not here yet).
+//! The relay child-process paths of the test kit as the harness uses them,
+//! against a stand-in script.
 
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::ExitStatusExt;
@@ -6,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use loadtest::procstat::UsageTracker;
-use loadtest::relay::{RelayCommand, RelayError};
+use outbox_testkit::relay::{Output, RelayCommand, RelayError, RelayProgram};
 
 /// `migrate` fails with a message when asked to; `run` waits for SIGTERM and exits 0.
 const STAND_IN: &str = r#"#!/bin/sh
@@ -35,15 +36,12 @@ fn stand_in(dir: &tempfile::TempDir, fail_migrate: bool) -> RelayCommand {
     std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
     let config = dir.path().join("relay.toml");
     std::fs::write(&config, "").unwrap();
-    RelayCommand {
-        bin,
-        args: Vec::new(),
-        config,
-        database_url: "postgres://postgres@127.0.0.1:1/x".into(),
-        qstash_url: "http://127.0.0.1:1".into(),
-        qstash_token: "t".into(),
-        log: Some(dir.path().join("relay.log")),
-    }
+    let log = dir.path().join("relay.log");
+    RelayCommand::new(&RelayProgram::binary(bin), config)
+        .env("DATABASE_URL", "postgres://postgres@127.0.0.1:1/x")
+        .env("QSTASH_URL", "http://127.0.0.1:1")
+        .env("QSTASH_TOKEN", "t")
+        .output(Output::Append(log.clone()), Output::Append(log))
 }
 
 /// Polls the log until the stand-in said it is up `n` times (its TERM trap is set by then).
@@ -111,7 +109,7 @@ async fn a_missing_binary_is_named() {
 
 #[test]
 fn the_default_relay_is_the_sibling_binary_when_current_else_the_embedded_engine() {
-    use loadtest::relay::{locate_relay, RelayProgram};
+    use outbox_testkit::relay::locate_relay;
     let dir = tempfile::tempdir().unwrap();
     let sources = dir.path().join("ws");
     std::fs::create_dir_all(sources.join("src")).unwrap();

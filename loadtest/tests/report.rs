@@ -1,8 +1,8 @@
 //! Report math on known samples.
 
 use loadtest::report::{LatencySummary, Report, ReportInput};
-use loadtest::sink::Record;
 use loadtest::verify::{verify_rows, OutboxRow, VerifyOptions};
+use outbox_testkit::sink::Record;
 
 #[test]
 fn percentiles_of_known_samples() {

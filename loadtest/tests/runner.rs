@@ -62,11 +62,11 @@ partition_keys = 4
     )
     .unwrap();
     let mut opts = RunOptions::new(dir.path().join("out"));
-    opts.relay = loadtest::relay::RelayProgram::binary(bin);
+    opts.relay = outbox_testkit::relay::RelayProgram::binary(bin);
     opts.progress = false;
     opts.database_url = Some(
         std::env::var("TEST_DATABASE_URL")
-            .unwrap_or_else(|_| outbox_relay::testkit::DEFAULT_SERVER_URL.to_owned()),
+            .unwrap_or_else(|_| outbox_testkit::DEFAULT_SERVER_URL.to_owned()),
     );
     let report = run_scenario(&scenario, &opts).await.unwrap();
     assert!(report.passed, "{}", report.table());

@@ -22,6 +22,7 @@ fn every_shipped_scenario_loads_and_configures_the_relay() {
         ("bloat.toml", ScenarioKind::Drain),
         ("bloat-held.toml", ScenarioKind::Drain),
         ("adversarial.toml", ScenarioKind::Adversarial),
+        ("destination-order.toml", ScenarioKind::Steady),
     ] {
         let s = Scenario::load(&dir().join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
         assert_eq!(s.kind, kind, "{file}");
@@ -90,4 +91,28 @@ fn every_shipped_scenario_loads_and_configures_the_relay() {
     assert!(held.hold_snapshot && !free.hold_snapshot);
     assert_eq!(held.vacuum_watch, free.vacuum_watch);
     assert!(free.vacuum_watch.is_some());
+    let dest = Scenario::load(&dir().join("destination-order.toml")).unwrap();
+    let delivery = dest.sink.delivery.as_ref().expect("delivery mode is on");
+    assert!(dest.ordered() && delivery.check_order);
+    assert!(
+        delivery.failure_rate > 0.0,
+        "failed calls are what breaks order"
+    );
+}
+
+#[test]
+fn bad_delivery_settings_are_refused_naming_the_key() {
+    let bad = |delivery: &str| {
+        let text = format!(
+            "name = \"d\"\nkind = \"steady\"\n[load]\nrate = 1.0\nduration = \"1s\"\n[sink.delivery]\n{delivery}\n"
+        );
+        Scenario::from_toml_str(&text)
+            .expect_err(delivery)
+            .to_string()
+    };
+    assert!(bad("failure_rate = 2.0").contains("sink.delivery.failure_rate"));
+    assert!(bad("retry_delay = \"qstash\"\nretry_delay_max = \"3s\"")
+        .contains("sink.delivery.retry_delay_max"));
+    assert!(bad("retry_delay = \"whenever\"").contains("`whenever`"));
+    assert!(bad("latency = 5").contains("latency"));
 }

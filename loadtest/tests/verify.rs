@@ -1,9 +1,10 @@
 //! The verifier catches what a broken relay would do, against real rows.
 
-use loadtest::sink::Record;
 use loadtest::verify::{verify, VerifyOptions};
 use outbox_client::{enqueue_many, NewEvent};
-use outbox_relay::testkit::TestDb;
+use outbox_relay::store::migrate;
+use outbox_testkit::sink::Record;
+use outbox_testkit::TestDb;
 use serde_json::json;
 use uuid::Uuid;
 
@@ -15,7 +16,7 @@ struct Fixture {
 
 /// Keys `k1` (3 events) and `k2` (2 events), then one poison event in `k2`.
 async fn fixture() -> Fixture {
-    let db = TestDb::new().await.unwrap();
+    let db = TestDb::with_setup(migrate::run).await.unwrap();
     let mut client = db.client().await.unwrap();
     let tenant = Uuid::new_v4();
     let spec = [

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::outbox::{Held, Write, CLAIM_HEADS, MARK};
 use super::*;
-use crate::testkit::TestDb;
+use crate::testing::{RelayTestDb as _, TestDb};
 
 #[test]
 fn the_backoff_doubles_to_five_seconds() {

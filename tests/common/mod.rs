@@ -1,19 +1,63 @@
-//! Shared test support: a programmable QStash/webhook stand-in on a loopback
-//! port, relay configs, and database helpers.
+//! Shared test support: the test kit's fresh databases with the relay's
+//! schema, its QStash/webhook stand-in on a loopback port, the relay binary
+//! as a child process, relay configs, and database helpers.
 #![allow(dead_code)]
 
-pub mod process;
-pub mod sink;
-
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use outbox_client::{enqueue_many, NewEvent};
 use outbox_relay::config::Config;
-use outbox_relay::testkit::TestDb;
+use outbox_relay::store::{self, migrate, Pool};
+use outbox_testkit::relay::{Output, RelayCommand, RelayProcess, RelayProgram};
+use outbox_testkit::sink::{Sink, SinkConfig, SinkHandle};
+use outbox_testkit::TestDb;
 use serde_json::json;
 use uuid::Uuid;
 
 pub const TOKEN: &str = "test-token";
+
+/// The `outbox-relay` binary cargo built for these tests.
+pub const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+
+/// A fresh database with the relay's schema.
+pub async fn test_db() -> TestDb {
+    TestDb::with_setup(migrate::run)
+        .await
+        .expect("a fresh database with the relay's schema")
+}
+
+/// The relay's pool of `size` connections to `db`.
+pub fn pool(db: &TestDb, size: u32) -> Pool {
+    store::pool(&db.url, size, Duration::from_secs(5)).expect("a pool")
+}
+
+/// The QStash stand-in on a free loopback port, taking [`TOKEN`] and keeping
+/// every message it judged.
+pub async fn start_sink() -> SinkHandle {
+    start_sink_on(SocketAddr::from(([127, 0, 0, 1], 0))).await
+}
+
+/// The same on `addr` (a destination that comes back after being down).
+pub async fn start_sink_on(addr: SocketAddr) -> SinkHandle {
+    Sink::start(SinkConfig {
+        bind: addr,
+        ..SinkConfig::for_tests(TOKEN)
+    })
+    .await
+    .expect("the sink starts")
+}
+
+/// `outbox-relay <subcommand…> --config <a file holding config_toml>`,
+/// logging warnings to the test's stderr.
+pub fn spawn_relay(subcommand: &[&str], config_toml: &str, stdout: Output) -> RelayProcess {
+    RelayCommand::with_config_text(&RelayProgram::binary(BIN), config_toml)
+        .expect("a config file")
+        .env("OUTBOX_RELAY_LOG", "warn")
+        .output(stdout, Output::Inherit)
+        .spawn_with(subcommand)
+        .expect("the relay starts")
+}
 
 /// A JWT (an `Upstash-Signature`) from the `jsonwebtoken` crate, not from our code.
 pub fn jwt(key: &str, claims: &serde_json::Value, alg: jsonwebtoken::Algorithm) -> String {

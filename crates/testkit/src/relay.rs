@@ -1,11 +1,19 @@
-//! The relay under test as a child process: the real `outbox-relay` binary,
-//! `run --config <file>` with DATABASE_URL, QSTASH_URL and QSTASH_TOKEN in its
-//! environment; it must exit 0 on SIGTERM. `outbox-relay migrate` creates the schema.
+//! The relay under test as a child process: an `outbox-relay` binary (or the
+//! engine embedded in another binary, [`RelayProgram`]), started as
+//! `<subcommand…> --config <file>` ([`RelayCommand`]) with what the test or
+//! the harness puts in its environment; `run` must exit 0 on SIGTERM.
+//! `migrate` creates the schema. [`RelayProcess`] sends it signals (kill,
+//! pause, continue, terminate) and waits for its exit.
 
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
+use std::sync::Arc;
 use std::time::Duration;
 
+use nix::sys::signal::kill;
+pub use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+use tokio::io::AsyncReadExt;
 use tokio::process::{Child, Command};
 
 #[derive(Debug, thiserror::Error)]
@@ -22,6 +30,8 @@ pub enum RelayError {
     StopTimeout(Duration),
     #[error("the relay exited with {0} on SIGTERM, not 0")]
     BadExit(ExitStatus),
+    #[error("cannot write the relay's config file: {0}")]
+    Config(std::io::Error),
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -101,9 +111,10 @@ pub fn locate_relay(loadtest_bin: &Path, sources: Option<&Path>) -> RelayProgram
     }
 }
 
-/// The workspace root this harness was compiled from, if it is still there.
+/// The workspace root this kit was compiled from, if it is still there.
 pub fn compiled_sources() -> Option<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()?
         .parent()?
         .to_path_buf();
     root.join("src/main.rs").is_file().then_some(root)
@@ -132,46 +143,130 @@ fn newest_source(root: &Path) -> Option<std::time::SystemTime> {
     newest
 }
 
-/// How to start the relay.
+/// Where one of the child's output streams goes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Output {
+    /// Discarded.
+    #[default]
+    Null,
+    /// To this process's own stream (a test's output).
+    Inherit,
+    /// Kept in a pipe: read stdout with [`RelayProcess::read_stdout`].
+    Captured,
+    /// Appended to this file (one file over restarts; stdout and stderr may share it).
+    Append(PathBuf),
+}
+
+impl Output {
+    fn stdio(&self) -> Result<Stdio, RelayError> {
+        Ok(match self {
+            Output::Null => Stdio::null(),
+            Output::Inherit => Stdio::inherit(),
+            Output::Captured => Stdio::piped(),
+            Output::Append(path) => std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)?
+                .into(),
+        })
+    }
+}
+
+/// The environment variables that override a config file's settings
+/// (besides `OUTBOX_RELAY_<SECTION>__<KEY>`).
+pub const CONFIG_ENV: &[&str] = &[
+    "DATABASE_URL",
+    "QSTASH_URL",
+    "QSTASH_TOKEN",
+    "QSTASH_CURRENT_SIGNING_KEY",
+    "QSTASH_NEXT_SIGNING_KEY",
+    "OUTBOX_RELAY_LOG_FORMAT",
+];
+
+/// Clears [`CONFIG_ENV`] from `command`, so a test's config file is what the
+/// child runs with, whatever the test's environment holds.
+pub fn without_config_env(command: &mut std::process::Command) -> &mut std::process::Command {
+    for name in CONFIG_ENV {
+        command.env_remove(name);
+    }
+    command
+}
+
+/// How to start the relay: the program, its config file, what is set in its
+/// environment and where its output goes.
 #[derive(Debug, Clone)]
 pub struct RelayCommand {
     pub bin: PathBuf,
     /// Arguments before the subcommand (see [`RelayProgram::args`]).
     pub args: Vec<String>,
     pub config: PathBuf,
-    pub database_url: String,
-    pub qstash_url: String,
-    pub qstash_token: String,
-    /// stdout and stderr are appended here (one file over restarts).
-    pub log: Option<PathBuf>,
+    /// Set in the child's environment, on top of what it inherits.
+    pub env: Vec<(String, String)>,
+    pub stdout: Output,
+    pub stderr: Output,
+    /// A config file written for this command, removed when the command and
+    /// every process started from it are gone.
+    config_file: Option<Arc<tempfile::TempPath>>,
 }
 
 impl RelayCommand {
-    fn command(&self, args: &[&str]) -> Result<Command, RelayError> {
+    /// `program` with the config file `config`; the environment inherited,
+    /// the output discarded.
+    pub fn new(program: &RelayProgram, config: impl Into<PathBuf>) -> RelayCommand {
+        RelayCommand {
+            bin: program.bin.clone(),
+            args: program.args.clone(),
+            config: config.into(),
+            env: Vec::new(),
+            stdout: Output::Null,
+            stderr: Output::Null,
+            config_file: None,
+        }
+    }
+
+    /// `program` with `toml` as its config, in a temporary file.
+    pub fn with_config_text(
+        program: &RelayProgram,
+        toml: &str,
+    ) -> Result<RelayCommand, RelayError> {
+        let file = tempfile::Builder::new()
+            .prefix("outbox-relay-")
+            .suffix(".toml")
+            .tempfile()
+            .map_err(RelayError::Config)?;
+        std::fs::write(file.path(), toml).map_err(RelayError::Config)?;
+        let path = file.into_temp_path();
+        let mut cmd = RelayCommand::new(program, path.to_path_buf());
+        cmd.config_file = Some(Arc::new(path));
+        Ok(cmd)
+    }
+
+    /// Sets `name` in the child's environment.
+    pub fn env(mut self, name: impl Into<String>, value: impl Into<String>) -> RelayCommand {
+        self.env.push((name.into(), value.into()));
+        self
+    }
+
+    /// Where stdout and stderr go.
+    pub fn output(mut self, stdout: Output, stderr: Output) -> RelayCommand {
+        self.stdout = stdout;
+        self.stderr = stderr;
+        self
+    }
+
+    fn command(&self, subcommand: &[&str]) -> Result<Command, RelayError> {
         let mut c = Command::new(&self.bin);
         c.args(&self.args)
-            .args(args)
-            .env("DATABASE_URL", &self.database_url)
-            .env("QSTASH_URL", &self.qstash_url)
-            .env("QSTASH_TOKEN", &self.qstash_token)
+            .args(subcommand)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
+            .stdout(self.stdout.stdio()?)
+            .stderr(self.stderr.stdio()?)
             .kill_on_drop(true);
-        match &self.log {
-            Some(path) => {
-                let f = std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(path)?;
-                c.stdout(f.try_clone()?).stderr(f);
-            }
-            None => {
-                c.stdout(Stdio::null()).stderr(Stdio::null());
-            }
-        }
         Ok(c)
     }
 
-    /// `outbox-relay migrate`, waiting for it to finish.
+    /// `<bin> <args…> migrate`, waiting for it to finish.
     pub async fn migrate(&self) -> Result<(), RelayError> {
         let mut c = self.command(&["migrate"])?;
         c.stdout(Stdio::piped()).stderr(Stdio::piped());
@@ -190,25 +285,36 @@ impl RelayCommand {
         }
     }
 
-    /// `outbox-relay run --config <file>`.
+    /// `<bin> <args…> run --config <file>`.
     pub fn spawn(&self) -> Result<RelayProcess, RelayError> {
+        self.spawn_with(&["run"])
+    }
+
+    /// `<bin> <args…> <subcommand…> --config <file>`, e.g. `["drain", "--json"]`.
+    pub fn spawn_with(&self, subcommand: &[&str]) -> Result<RelayProcess, RelayError> {
         let config = self.config.display().to_string();
         let child = self
-            .command(&["run", "--config", &config])?
+            .command(&[subcommand, &["--config", &config]].concat())?
             .spawn()
             .map_err(|source| RelayError::Spawn {
                 bin: self.bin.display().to_string(),
                 source,
             })?;
         let pid = child.id().unwrap_or(0);
-        Ok(RelayProcess { child, pid })
+        Ok(RelayProcess {
+            child,
+            pid,
+            _config: self.config_file.clone(),
+        })
     }
 }
 
-/// A running relay.
+/// A running relay. Dropping it kills the process (continued first, so no
+/// stopped process is left behind).
 pub struct RelayProcess {
     child: Child,
     pid: u32,
+    _config: Option<Arc<tempfile::TempPath>>,
 }
 
 impl RelayProcess {
@@ -221,23 +327,43 @@ impl RelayProcess {
         self.child.try_wait().ok().flatten()
     }
 
-    fn signal(&self, sig: libc::c_int) {
-        // SAFETY: kill(2) on our own child's pid; harmless if it already exited
-        // (it stays a zombie until waited, so the pid is not reused).
-        unsafe {
-            libc::kill(self.pid as libc::pid_t, sig);
-        }
+    /// Sends `signal`; harmless if the process already exited (it stays a
+    /// zombie until waited, so the pid is not reused).
+    pub fn signal(&self, signal: Signal) {
+        let _ = kill(Pid::from_raw(self.pid as i32), signal);
     }
 
     /// SIGSTOP: the process is frozen (its sockets and leases stay as they
     /// are) until [`resume`](Self::resume).
     pub fn pause(&self) {
-        self.signal(libc::SIGSTOP);
+        self.signal(Signal::SIGSTOP);
     }
 
     /// SIGCONT; harmless when the process is not stopped.
     pub fn resume(&self) {
-        self.signal(libc::SIGCONT);
+        self.signal(Signal::SIGCONT);
+    }
+
+    /// Waits for the process to exit, at most `limit` (then kills it: `None`).
+    pub async fn exit_within(&mut self, limit: Duration) -> Option<ExitStatus> {
+        match tokio::time::timeout(limit, self.child.wait()).await {
+            Ok(status) => status.ok(),
+            Err(_) => {
+                self.resume();
+                let _ = self.child.kill().await;
+                None
+            }
+        }
+    }
+
+    /// Everything the process wrote to stdout ([`Output::Captured`]), read to
+    /// its end; empty when stdout was not captured.
+    pub async fn read_stdout(&mut self) -> Result<String, RelayError> {
+        let mut out = String::new();
+        if let Some(stdout) = self.child.stdout.as_mut() {
+            stdout.read_to_string(&mut out).await?;
+        }
+        Ok(out)
     }
 
     /// SIGCONT (a stopped process does not act on SIGTERM until continued),
@@ -251,7 +377,7 @@ impl RelayProcess {
             };
         }
         self.resume();
-        self.signal(libc::SIGTERM);
+        self.signal(Signal::SIGTERM);
         match tokio::time::timeout(timeout, self.child.wait()).await {
             Ok(status) => {
                 let status = status?;
@@ -272,7 +398,16 @@ impl RelayProcess {
     /// continued first, so no stopped process is ever left behind.
     pub async fn kill(mut self) -> Result<ExitStatus, RelayError> {
         self.resume();
-        self.signal(libc::SIGKILL);
+        self.signal(Signal::SIGKILL);
         Ok(self.child.wait().await?)
+    }
+}
+
+impl Drop for RelayProcess {
+    fn drop(&mut self) {
+        if self.exited().is_none() {
+            self.resume();
+            let _ = self.child.start_kill();
+        }
     }
 }

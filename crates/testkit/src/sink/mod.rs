@@ -1,4 +1,4 @@
-//! A QStash-compatible sink for load tests and the relay's own tests.
+//! The QStash stand-in of the relay's tests and of the load-test harness.
 //!
 //! Speaks QStash's two publish endpoints over HTTP/1.1 and h2c:
 //!
@@ -30,8 +30,21 @@
 //! as above.
 //!
 //! Every accepted message (fresh or deduplicated) becomes a [`Record`];
-//! rejected ones only count in [`SinkStats`]. Faults are in [`faults`];
-//! delivery mode (forward to the destination, signed) is in [`DeliveryConfig`].
+//! rejected ones only count in [`SinkStats`]. Faults are in [`faults`].
+//!
+//! **Delivery mode** ([`SinkConfig::delivery`], [`delivery`]) does what QStash
+//! does after it accepted a message: deliver it to its destination, signed,
+//! with flow control (`parallelism` per key), retries after a delay, and
+//! callbacks and failure callbacks after the attempts. The final destination
+//! a test or scenario delivers to is [`destination`], whose [`check_order`]
+//! says whether each partition key's events arrived in order.
+//!
+//! For tests, [`rules`] decide per message what the sink answers
+//! ([`SinkHandle::set_rule`]), and with [`SinkConfig::keep_messages`] every
+//! judged message is kept with its headers and body ([`SinkHandle::received`]).
+//! The sink also takes webhook POSTs under `/hook` (no token; answered `204`,
+//! or as the rule says), so one server stands in for QStash and for a
+//! webhook destination.
 //!
 //! Besides the records, the sink logs what it *answered* about each message
 //! ([`AnswerEvent`]): accepted readably, taken but answered unreadably, rejected
@@ -45,7 +58,9 @@
 
 pub mod adversary;
 pub mod delivery;
+pub mod destination;
 pub mod faults;
+pub mod rules;
 pub mod signing;
 
 use std::collections::{BTreeMap, HashMap};
@@ -72,9 +87,16 @@ use tokio::task::JoinSet;
 
 use adversary::{ActiveOutage, Garble};
 pub use adversary::{AnswerEvent, AnswerKind, OutageWindow};
-pub use delivery::{DeliveryConfig, DeliveryOutcome};
+pub use delivery::{
+    CallbackKind, CallbackOutcome, DeliveryAttempt, DeliveryConfig, DeliveryOutcome, RetryDelay,
+};
+pub use destination::{
+    check_order, Call, Destination, DestinationConfig, DestinationHandle, DestinationReport,
+};
 pub use faults::{AdversarialConfig, FaultConfig, OutageKind, OutageSpec};
 use faults::{FaultState, RequestFault};
+use rules::Rules;
+pub use rules::{RawAnswer, Received, Reply};
 pub use signing::{DEV_CURRENT_SIGNING_KEY, DEV_NEXT_SIGNING_KEY, DEV_TOKEN};
 
 /// Header carrying the outbox row id (the relay forwards `x-outbox-id`).
@@ -112,6 +134,10 @@ pub struct SinkConfig {
     pub faults: FaultConfig,
     /// Forward accepted messages to their destinations; off when `None`.
     pub delivery: Option<DeliveryConfig>,
+    /// Keep every request line and every judged message with its headers and
+    /// body ([`SinkHandle::received`], [`SinkHandle::requests`]): for tests,
+    /// since memory grows with the run.
+    pub keep_messages: bool,
 }
 
 impl Default for SinkConfig {
@@ -122,6 +148,18 @@ impl Default for SinkConfig {
             dedup_window: Duration::from_secs(600),
             faults: FaultConfig::default(),
             delivery: None,
+            keep_messages: false,
+        }
+    }
+}
+
+impl SinkConfig {
+    /// For a test: a free loopback port, `token`, every message kept.
+    pub fn for_tests(token: &str) -> SinkConfig {
+        SinkConfig {
+            token: token.to_owned(),
+            keep_messages: true,
+            ..SinkConfig::default()
         }
     }
 }
@@ -222,6 +260,7 @@ struct Shared {
     refuse: watch::Sender<bool>,
     /// Whether the listener is open.
     listening: watch::Sender<bool>,
+    rules: Rules,
 }
 
 /// Starts sinks: `Sink::start(SinkConfig::default()).await?`.
@@ -231,6 +270,9 @@ impl Sink {
     /// Binds and serves until [`SinkHandle::stop`] (or the handle is dropped).
     pub async fn start(config: SinkConfig) -> Result<SinkHandle, SinkError> {
         config.faults.validate().map_err(SinkError::Config)?;
+        if let Some(d) = &config.delivery {
+            d.validate().map_err(SinkError::Config)?;
+        }
         let listener = TcpListener::bind(config.bind)
             .await
             .map_err(|source| SinkError::Bind {
@@ -261,6 +303,7 @@ impl Sink {
             cut_all: watch::channel(0).0,
             refuse: watch::channel(false).0,
             listening: watch::channel(true).0,
+            rules: Rules::new(config.keep_messages),
         });
         let server = tokio::spawn(accept_loop(listener, Arc::clone(&shared)));
         Ok(SinkHandle {
@@ -374,11 +417,49 @@ impl SinkHandle {
 
     /// Finished deliveries (delivery mode only), in completion order.
     pub fn deliveries(&self) -> Vec<DeliveryOutcome> {
+        self.read_deliverer(|d| d.outcomes())
+    }
+
+    /// Decides what the sink answers about each message from now on (see
+    /// [`rules`]); the default accepts everything.
+    pub fn set_rule(&self, rule: impl Fn(&Received) -> Reply + Send + Sync + 'static) {
+        self.shared.rules.set_rule(Box::new(rule));
+    }
+
+    /// Answers `/v2/batch` requests as this says when it returns `Some`: the
+    /// answer, and which messages it counts as accepted.
+    pub fn set_batch_rule(
+        &self,
+        rule: impl Fn(&[Received]) -> Option<(RawAnswer, Vec<bool>)> + Send + Sync + 'static,
+    ) {
+        self.shared.rules.set_batch_rule(Box::new(rule));
+    }
+
+    /// Every QStash request waits this long before it is answered (the
+    /// faults' `latency`, kept apart from their random draws).
+    pub fn set_delay(&self, delay: Duration) {
         self.shared
-            .deliverer
-            .as_ref()
-            .map(|d| d.outcomes())
-            .unwrap_or_default()
+            .faults
+            .lock()
+            .expect("faults lock")
+            .config
+            .latency = delay;
+    }
+
+    /// Every judged message, accepted or not, in the order judged (kept with
+    /// [`SinkConfig::keep_messages`]).
+    pub fn received(&self) -> Vec<Received> {
+        self.shared.rules.received()
+    }
+
+    /// The judged messages the sink accepted.
+    pub fn accepted(&self) -> Vec<Received> {
+        self.received().into_iter().filter(|r| r.accepted).collect()
+    }
+
+    /// `METHOD path` of every HTTP request (kept with [`SinkConfig::keep_messages`]).
+    pub fn requests(&self) -> Vec<String> {
+        self.shared.rules.requests()
     }
 
     /// Replaces the fault configuration (and reseeds its RNG) from the next request on.
@@ -390,22 +471,41 @@ impl SinkHandle {
 
     /// Waits until at least `n` messages were accepted; false on timeout.
     pub async fn wait_for_records(&self, n: usize, timeout: Duration) -> bool {
-        let mut rx = self.shared.recorded.subscribe();
-        tokio::time::timeout(timeout, rx.wait_for(|count| *count >= n))
-            .await
-            .is_ok_and(|r| r.is_ok())
+        count_reaches(self.shared.recorded.subscribe(), n, timeout).await
+    }
+
+    /// Every delivery attempt so far (delivery mode only), in the order they ended.
+    pub fn delivery_attempts(&self) -> Vec<DeliveryAttempt> {
+        self.read_deliverer(|d| d.attempts())
+    }
+
+    /// Finished callbacks and failure callbacks (delivery mode only), in
+    /// completion order.
+    pub fn callbacks(&self) -> Vec<CallbackOutcome> {
+        self.read_deliverer(|d| d.callbacks())
+    }
+
+    /// Waits until at least `n` callbacks finished (delivered or given up);
+    /// false on timeout or when delivery mode is off.
+    pub async fn wait_for_callbacks(&self, n: usize, timeout: Duration) -> bool {
+        match &self.shared.deliverer {
+            Some(d) => count_reaches(d.subscribe_callbacks(), n, timeout).await,
+            None => false,
+        }
     }
 
     /// Waits until at least `n` deliveries finished; false on timeout or when
     /// delivery mode is off.
     pub async fn wait_for_deliveries(&self, n: usize, timeout: Duration) -> bool {
-        let Some(d) = &self.shared.deliverer else {
-            return false;
-        };
-        let mut rx = d.subscribe();
-        tokio::time::timeout(timeout, rx.wait_for(|count| *count >= n))
-            .await
-            .is_ok_and(|r| r.is_ok())
+        match &self.shared.deliverer {
+            Some(d) => count_reaches(d.subscribe(), n, timeout).await,
+            None => false,
+        }
+    }
+
+    /// What `f` reads from the deliverer; nothing when delivery mode is off.
+    fn read_deliverer<T>(&self, f: impl FnOnce(&delivery::Deliverer) -> Vec<T>) -> Vec<T> {
+        self.shared.deliverer.as_deref().map(f).unwrap_or_default()
     }
 
     /// Stops listening, drops open connections and pending deliveries.
@@ -430,6 +530,13 @@ impl Drop for SinkHandle {
             d.abort_all();
         }
     }
+}
+
+/// Whether the count `rx` watches reaches `n` within `timeout`.
+async fn count_reaches(mut rx: watch::Receiver<usize>, n: usize, timeout: Duration) -> bool {
+    tokio::time::timeout(timeout, rx.wait_for(|count| *count >= n))
+        .await
+        .is_ok_and(|r| r.is_ok())
 }
 
 /// Resolves once the shutdown flag is set (or its sender is gone).
@@ -609,6 +716,55 @@ enum Endpoint {
     Batch,
 }
 
+/// What the rules made of a request's messages.
+enum Ruled {
+    /// They answered it.
+    Answered(Resp),
+    /// They let every message go on; the judged messages when rules are active.
+    Pass {
+        messages: Vec<Message>,
+        received: Option<Vec<Received>>,
+    },
+}
+
+/// The request body, up to [`MAX_BODY_BYTES`]; else the 400 to answer.
+async fn read_body(shared: &Shared, body: Incoming) -> Result<Bytes, Resp> {
+    match Limited::new(body, MAX_BODY_BYTES).collect().await {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(e) => {
+            bump(&shared.counters.bad_requests);
+            Err(error_response(
+                StatusCode::BAD_REQUEST,
+                &format!("cannot read the body: {e}"),
+            ))
+        }
+    }
+}
+
+/// A webhook POST under `/hook/…`: judged by the rule, answered `204` when
+/// accepted. No token, faults or deduplication: this is a destination, not QStash.
+async fn webhook(
+    shared: &Shared,
+    parts: http::request::Parts,
+    body: Incoming,
+) -> Result<Resp, Infallible> {
+    let body = match read_body(shared, body).await {
+        Ok(b) => b,
+        Err(refused) => return Ok(refused),
+    };
+    let (msg, reply) =
+        shared
+            .rules
+            .judge(Received::webhook(parts.uri.path(), &parts.headers, &body));
+    shared.rules.record(vec![msg]);
+    Ok(reply.refusal().unwrap_or_else(|| {
+        Response::builder()
+            .status(StatusCode::NO_CONTENT)
+            .body(AnswerBody::whole(Bytes::new()))
+            .expect("static response parts are valid")
+    }))
+}
+
 async fn handle(
     shared: Arc<Shared>,
     req: Request<Incoming>,
@@ -617,6 +773,10 @@ async fn handle(
     bump(&shared.counters.requests);
     let (parts, body) = req.into_parts();
     let path = parts.uri.path();
+    shared.rules.note_request(&parts.method, path);
+    if path == "/hook" || path.starts_with("/hook/") {
+        return webhook(&shared, parts, body).await;
+    }
     let endpoint = if path.starts_with("/v2/publish/") {
         Endpoint::Publish
     } else if path == "/v2/batch" {
@@ -634,15 +794,9 @@ async fn handle(
         bump(&shared.counters.unauthorized);
         return Ok(error_response(StatusCode::UNAUTHORIZED, "Unauthorized"));
     }
-    let body = match Limited::new(body, MAX_BODY_BYTES).collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(e) => {
-            bump(&shared.counters.bad_requests);
-            return Ok(error_response(
-                StatusCode::BAD_REQUEST,
-                &format!("cannot read the body: {e}"),
-            ));
-        }
+    let body = match read_body(&shared, body).await {
+        Ok(b) => b,
+        Err(refused) => return Ok(refused),
     };
     let messages = match endpoint {
         Endpoint::Publish => {
@@ -728,8 +882,15 @@ async fn handle(
         _ => {}
     }
 
+    let (messages, mut received) = match shared.apply_rules(batch, messages, &ids) {
+        Ruled::Answered(resp) => return Ok(resp),
+        Ruled::Pass { messages, received } => (messages, received),
+    };
     if batch && shared.poison_rejects_batch() {
         if let Some(error) = messages.iter().find_map(|m| shared.poison_error(m)) {
+            let mut refused = received.take().unwrap_or_default();
+            refused.iter_mut().for_each(|r| r.accepted = false);
+            shared.rules.record(refused);
             // Refused as a whole, as QStash refuses a batch that fails validation:
             // nothing in it is accepted, and the relay resends them one by one.
             bump(&c.poison_rejected);
@@ -750,6 +911,12 @@ async fn handle(
         .into_iter()
         .map(|m| shared.accept(m, batch))
         .collect();
+    if let Some(mut received) = received {
+        for (r, o) in received.iter_mut().zip(&outcomes) {
+            r.accepted = matches!(o, Outcome::Accepted { .. });
+        }
+        shared.rules.record(received);
+    }
     // What each message's answer says, before the answer is spoilt.
     let mut kinds: Vec<AnswerKind> = outcomes
         .iter()
@@ -913,7 +1080,7 @@ fn percent_decode(s: &str) -> String {
 /// One message to accept, from either endpoint.
 struct Message {
     destination: String,
-    /// Lowercased names.
+    /// Lowercased names; `/v2/publish`: every request header.
     headers: Vec<(String, String)>,
     body: Bytes,
 }
@@ -971,7 +1138,6 @@ fn publish_message(parts: &http::request::Parts, body: Bytes) -> Result<Message,
     let headers = parts
         .headers
         .iter()
-        .filter(|(name, _)| *name != http::header::AUTHORIZATION)
         .map(|(name, value)| {
             (
                 name.as_str().to_owned(),
@@ -1043,6 +1209,58 @@ enum Outcome {
 }
 
 impl Shared {
+    /// Judges the messages by the rules (when active): a batch rule's answer,
+    /// or the first refusal, answers the request; else they go on.
+    fn apply_rules(&self, batch: bool, messages: Vec<Message>, ids: &[Option<i64>]) -> Ruled {
+        if !self.rules.active() {
+            return Ruled::Pass {
+                messages,
+                received: None,
+            };
+        }
+        let (mut received, replies): (Vec<Received>, Vec<Reply>) = messages
+            .iter()
+            .map(|m| self.rules.judge(Received::of(m)))
+            .unzip();
+        if batch {
+            if let Some((answer, accepted)) = self.rules.batch_answer(&received) {
+                for ((m, r), a) in messages.into_iter().zip(&mut received).zip(accepted) {
+                    r.accepted = a && matches!(self.accept(m, true), Outcome::Accepted { .. });
+                }
+                self.log_answers(ids, |i| {
+                    if received[i].accepted {
+                        AnswerKind::Accepted
+                    } else {
+                        AnswerKind::Failed {
+                            status: answer.status,
+                        }
+                    }
+                });
+                self.rules.record(received);
+                return Ruled::Answered(answer.response());
+            }
+        }
+        let Some(refused) = replies.iter().find(|r| **r != Reply::Accept) else {
+            return Ruled::Pass {
+                messages,
+                received: Some(received),
+            };
+        };
+        let status = refused.status();
+        let own = ids.len() == 1 && adversary::is_permanent_rejection(status);
+        self.log_answers(ids, |_| {
+            if own {
+                AnswerKind::Rejected { status }
+            } else {
+                AnswerKind::Failed { status }
+            }
+        });
+        let answer = refused.refusal().expect("a refusal");
+        received.iter_mut().for_each(|r| r.accepted = false);
+        self.rules.record(received);
+        Ruled::Answered(answer)
+    }
+
     fn adversarial_config(&self) -> Option<AdversarialConfig> {
         self.faults
             .lock()
@@ -1226,15 +1444,25 @@ impl Shared {
                 error: "injected message failure".to_owned(),
             };
         }
-        if self.deliverer.is_some() {
-            if let Err(reason) = delivery::check_loopback(&msg.destination) {
-                bump(&c.bad_requests);
-                return Outcome::Rejected {
-                    status: StatusCode::BAD_REQUEST,
-                    error: reason,
-                };
-            }
-        }
+        let delivery = match &self.deliverer {
+            Some(d) => match delivery::Delivery::plan(
+                outbox_id,
+                &msg.destination,
+                &msg.headers,
+                msg.body.clone(),
+                d.default_retries(),
+            ) {
+                Ok(plan) => Some(plan),
+                Err(reason) => {
+                    bump(&c.bad_requests);
+                    return Outcome::Rejected {
+                        status: StatusCode::BAD_REQUEST,
+                        error: reason,
+                    };
+                }
+            },
+            None => None,
+        };
         let dedup_id = msg.header(DEDUP_ID_HEADER).map(str::to_owned);
         let dedup_key = match &dedup_id {
             Some(id) => Some(format!("id:{id}")),
@@ -1296,36 +1524,15 @@ impl Shared {
             bump(&c.deduplicated);
         }
         self.recorded.send_replace(n);
-        if let (Some(deliverer), false) = (&self.deliverer, deduplicated) {
-            deliverer.spawn(to_delivery(&msg, &message_id));
+        if let (Some(deliverer), Some(delivery), false) = (&self.deliverer, delivery, deduplicated)
+        {
+            deliverer.spawn(&message_id, delivery);
         }
         Outcome::Accepted {
             message_id,
             url: msg.destination,
             deduplicated,
         }
-    }
-}
-
-fn to_delivery(msg: &Message, message_id: &str) -> delivery::Delivery {
-    let method = msg
-        .header("upstash-method")
-        .and_then(|m| http::Method::from_bytes(m.as_bytes()).ok())
-        .unwrap_or(http::Method::POST);
-    let mut headers = Vec::new();
-    for (name, value) in &msg.headers {
-        if let Some(forwarded) = name.strip_prefix(FORWARD_PREFIX) {
-            headers.push((forwarded.to_owned(), value.clone()));
-        } else if name == "content-type" {
-            headers.push((name.clone(), value.clone()));
-        }
-    }
-    delivery::Delivery {
-        message_id: message_id.to_owned(),
-        destination: msg.destination.clone(),
-        method,
-        headers,
-        body: msg.body.clone(),
     }
 }
 

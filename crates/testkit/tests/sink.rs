@@ -1,4 +1,4 @@
-//! The QStash-compatible sink over real HTTP on loopback.
+//! The QStash stand-in over real HTTP on loopback.
 
 mod common;
 
@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use common::{bearer, post, Answer, Receiver};
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
-use loadtest::sink::signing::{body_hash, SignatureClaims};
-use loadtest::sink::{
+use outbox_testkit::sink::signing::{body_hash, SignatureClaims};
+use outbox_testkit::sink::{
     AdversarialConfig, AnswerEvent, AnswerKind, DeliveryConfig, FaultConfig, OutageKind,
-    OutageSpec, Sink, SinkConfig, SinkHandle, DEV_CURRENT_SIGNING_KEY, DEV_TOKEN,
+    OutageSpec, RawAnswer, Reply, Sink, SinkConfig, SinkHandle, DEV_CURRENT_SIGNING_KEY, DEV_TOKEN,
 };
 use serde_json::json;
 
@@ -773,4 +773,143 @@ async fn outages_refuse_connections_then_listen_again_and_rate_limits_say_when_t
     assert!(windows.iter().all(|w| w.end_us - w.start_us >= 700_000));
     assert!(windows.windows(2).all(|w| w[0].end_us <= w[1].start_us));
     s.stop().await;
+}
+
+async fn kept(token: &str) -> SinkHandle {
+    Sink::start(SinkConfig::for_tests(token)).await.unwrap()
+}
+
+#[tokio::test]
+async fn a_rule_refusing_one_message_fails_its_batch_whole_and_attempts_are_counted() {
+    let s = kept(DEV_TOKEN).await;
+    // d-2 is refused on its first attempt, asking for a retry in 2 s.
+    s.set_rule(|r| {
+        if r.dedup_id == "d-2" && r.attempt == 0 {
+            Reply::Status(503, Some("2".into()))
+        } else {
+            Reply::Accept
+        }
+    });
+    let refused = batch(&s, &[1, 2]).await;
+    assert_eq!(refused.status(), 503);
+    assert_eq!(refused.header("retry-after").as_deref(), Some("2"));
+    assert!(
+        s.records().is_empty(),
+        "nothing of a refused batch is taken"
+    );
+    let again = batch(&s, &[1, 2]).await;
+    assert_eq!(again.status(), 200);
+    assert!(again.body()[0]["messageId"].is_string() && again.body()[1]["messageId"].is_string());
+    assert_eq!(s.records().len(), 2);
+
+    let received = s.received();
+    let seen: Vec<(&str, u32, bool, Option<i64>)> = received
+        .iter()
+        .map(|r| (r.dedup_id.as_str(), r.attempt, r.accepted, r.outbox_id))
+        .collect();
+    assert_eq!(
+        seen,
+        vec![
+            ("d-1", 0, false, Some(1)),
+            ("d-2", 0, false, Some(2)),
+            ("d-1", 1, true, Some(1)),
+            ("d-2", 1, true, Some(2)),
+        ]
+    );
+    assert_eq!(received[0].partition_key(), "k");
+    assert_eq!(received[0].destination, DEST);
+    assert_eq!(s.accepted().len(), 2);
+    assert_eq!(s.requests(), vec!["POST /v2/batch"; 2]);
+    // The answer log says the whole request failed, not that a message was refused.
+    assert!(s
+        .answers()
+        .iter()
+        .take(2)
+        .all(|a| a.kind == AnswerKind::Failed { status: 503 }));
+}
+
+#[tokio::test]
+async fn a_batch_rule_answers_the_whole_batch_and_takes_what_it_accepts() {
+    let s = kept(DEV_TOKEN).await;
+    s.set_batch_rule(|msgs| {
+        let answer = RawAnswer::new(200, br#"[{"messageId":"m1"},{"error":"no"}]"#.to_vec());
+        Some((answer, (0..msgs.len()).map(|i| i == 0).collect()))
+    });
+    let a = batch(&s, &[1, 2]).await;
+    assert_eq!(a.status(), 200);
+    assert_eq!(a.raw().as_ref(), br#"[{"messageId":"m1"},{"error":"no"}]"#);
+    let records = s.records();
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0].outbox_id, Some(1));
+    let accepted: Vec<bool> = s.received().iter().map(|r| r.accepted).collect();
+    assert_eq!(accepted, vec![true, false]);
+}
+
+#[tokio::test]
+async fn a_publish_refused_by_a_rule_gets_exactly_the_raw_answer() {
+    let s = kept(DEV_TOKEN).await;
+    s.set_rule(|_| {
+        Reply::Raw(RawAnswer::new(301, b"moved".to_vec()).header("location", "https://elsewhere/"))
+    });
+    let a = publish(&s, 5, "d-5").await;
+    assert_eq!(a.status(), 301);
+    assert_eq!(a.header("location").as_deref(), Some("https://elsewhere/"));
+    assert_eq!(a.raw().as_ref(), b"moved");
+    assert!(s.records().is_empty());
+    let r = &s.received()[0];
+    assert!(!r.accepted);
+    assert_eq!(r.headers["authorization"], bearer(DEV_TOKEN));
+    assert_eq!(r.headers["upstash-flow-control-key"], "pk-1");
+    assert_eq!(s.requests(), vec![format!("POST /v2/publish/{DEST}")]);
+}
+
+#[tokio::test]
+async fn webhook_posts_under_hook_are_judged_without_a_token() {
+    let s = kept("another-token").await;
+    s.set_rule(|r| {
+        if r.attempt == 0 {
+            Reply::Status(500, None)
+        } else {
+            Reply::Accept
+        }
+    });
+    let addr = s.addr();
+    let hook = |id: &'static str| async move {
+        post(
+            addr,
+            "/hook/order/k1",
+            &[("webhook-id", id), ("x-outbox-id", "42")],
+            r#"{"id":"42","partitionKey":"order:k1"}"#,
+            T,
+        )
+        .await
+    };
+    assert_eq!(hook("evt-42").await.status(), 500);
+    let ok = hook("evt-42").await;
+    assert_eq!(ok.status(), 204);
+    assert!(ok.raw().is_empty());
+    let received = s.received();
+    assert_eq!(received.len(), 2);
+    assert_eq!(received[1].dedup_id, "evt-42");
+    assert_eq!(received[1].destination, "/hook/order/k1");
+    assert_eq!(received[1].outbox_id, Some(42));
+    assert_eq!(received[1].partition_key(), "order:k1");
+    assert_eq!((received[0].accepted, received[1].accepted), (false, true));
+    assert!(s.records().is_empty(), "a webhook is not a QStash message");
+    assert_eq!(s.stats().unauthorized, 0);
+}
+
+#[tokio::test]
+async fn without_keep_messages_nothing_is_kept_and_rules_still_apply() {
+    let s = sink(FaultConfig::default()).await;
+    assert_eq!(publish(&s, 1, "d-1").await.status(), 200);
+    s.set_rule(|_| Reply::Status(400, None));
+    let refused = publish(&s, 2, "d-2").await;
+    assert_eq!(refused.status(), 400);
+    assert!(refused.body()["error"]
+        .as_str()
+        .unwrap()
+        .contains("status 400"));
+    assert!(s.received().is_empty() && s.requests().is_empty());
+    assert_eq!(s.records().len(), 1);
 }

@@ -1,13 +1,18 @@
 //! Real PostgreSQL for tests, benchmarks and the load-test harness: a fresh
 //! database per test on a running server, or a throwaway cluster of our own
-//! when no server answers. Nothing here is used by the relay itself.
+//! when no server answers.
+//!
+//! A database is created empty; the caller gives it a schema
+//! ([`TestDb::with_setup`], e.g. with the relay's migrations). Connections are
+//! plain TCP: test servers are local.
 
+use std::fmt::Display;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use crate::store as db;
+use tokio_postgres::NoTls;
 
 /// Where tests look for a server, in order: `TEST_DATABASE_URL`, then this.
 pub const DEFAULT_SERVER_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
@@ -16,12 +21,12 @@ pub const DEFAULT_SERVER_URL: &str = "postgres://postgres@127.0.0.1:5432/postgre
 pub enum TestkitError {
     #[error("{0}")]
     Cluster(String),
-    #[error(transparent)]
-    Db(#[from] db::StoreError),
-    #[error(transparent)]
+    #[error("database URL `{url}` is not valid: {reason}")]
+    BadUrl { url: String, reason: String },
+    #[error("database: {0}")]
     Postgres(#[from] tokio_postgres::Error),
-    #[error(transparent)]
-    Migrate(#[from] db::migrate::MigrateError),
+    #[error("setting up test database {name}: {reason}")]
+    Setup { name: String, reason: String },
     #[error(transparent)]
     Io(#[from] std::io::Error),
 }
@@ -162,17 +167,32 @@ fn find_pg_bin() -> Result<PathBuf, TestkitError> {
     })
 }
 
+fn parse_url(url: &str) -> Result<tokio_postgres::Config, TestkitError> {
+    url.parse()
+        .map_err(|e: tokio_postgres::Error| TestkitError::BadUrl {
+            url: url.to_owned(),
+            reason: e.to_string(),
+        })
+}
+
+/// A connection to `url`, its driver task spawned.
+pub async fn connect(url: &str) -> Result<tokio_postgres::Client, TestkitError> {
+    let (client, connection) = parse_url(url)?.connect(NoTls).await?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "test database connection closed");
+        }
+    });
+    Ok(client)
+}
+
 async fn answers(url: &str) -> bool {
-    let Ok(mut config) = db::parse_url(url) else {
+    let Ok(mut config) = parse_url(url) else {
         return false;
     };
     config.connect_timeout(Duration::from_secs(2));
     matches!(
-        tokio::time::timeout(
-            Duration::from_secs(3),
-            config.connect(tokio_postgres::NoTls)
-        )
-        .await,
+        tokio::time::timeout(Duration::from_secs(3), config.connect(NoTls)).await,
         Ok(Ok(_))
     )
 }
@@ -207,7 +227,7 @@ async fn server_url() -> Result<String, TestkitError> {
     Ok(SERVER.get_or_init(|| url).clone())
 }
 
-/// A database of its own, created empty and migrated, dropped on drop.
+/// A database of its own, created empty, dropped on drop.
 pub struct TestDb {
     pub name: String,
     pub url: String,
@@ -215,24 +235,14 @@ pub struct TestDb {
 }
 
 impl TestDb {
-    /// A fresh, migrated database.
-    pub async fn new() -> Result<TestDb, TestkitError> {
-        let db = Self::empty().await?;
-        let mut client = db::connect(&db.url).await?;
-        db::migrate::run(&mut client).await?;
-        Ok(db)
-    }
-
-    /// A fresh database without our schema.
+    /// A fresh, empty database.
     pub async fn empty() -> Result<TestDb, TestkitError> {
         let server_url = server_url().await?;
         let name = format!("outbox_test_{}", uuid::Uuid::new_v4().simple());
-        let admin = db::connect(&server_url).await?;
+        let admin = connect(&server_url).await?;
         admin
             .batch_execute(&format!("CREATE DATABASE {name}"))
             .await?;
-        let mut config = db::parse_url(&server_url)?;
-        config.dbname(&name);
         let url = url_with_dbname(&server_url, &name);
         Ok(TestDb {
             name,
@@ -241,12 +251,24 @@ impl TestDb {
         })
     }
 
-    pub async fn client(&self) -> Result<tokio_postgres::Client, TestkitError> {
-        Ok(db::connect(&self.url).await?)
+    /// A fresh database that `setup` was run on (given a connection to it)
+    /// before it is handed out: the schema under test. With the relay's
+    /// migrations, `TestDb::with_setup(outbox_relay::store::migrate::run)`. A
+    /// database whose setup fails is dropped.
+    pub async fn with_setup<T, E: Display>(
+        setup: impl AsyncFnOnce(&mut tokio_postgres::Client) -> Result<T, E>,
+    ) -> Result<TestDb, TestkitError> {
+        let db = Self::empty().await?;
+        let mut client = db.client().await?;
+        setup(&mut client).await.map_err(|e| TestkitError::Setup {
+            name: db.name.clone(),
+            reason: e.to_string(),
+        })?;
+        Ok(db)
     }
 
-    pub fn pool(&self, size: u32) -> Result<db::Pool, TestkitError> {
-        Ok(db::conn::pool(&self.url, size, Duration::from_secs(5))?)
+    pub async fn client(&self) -> Result<tokio_postgres::Client, TestkitError> {
+        connect(&self.url).await
     }
 }
 
@@ -279,7 +301,7 @@ impl Drop for TestDb {
                 .build()
                 .ok()?;
             rt.block_on(async move {
-                let admin = db::connect(&server).await.ok()?;
+                let admin = connect(&server).await.ok()?;
                 admin
                     .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
                     .await

@@ -28,15 +28,16 @@ BEGIN
 END
 $$;
 
--- The rows already there, a few thousand per transaction, in id order.
+-- The rows already there, a few thousand per transaction, in id order, each
+-- batch looked up by primary key (`= ANY`), whatever the statistics say: a
+-- join with the batch could be planned as a scan of the whole outbox per batch.
 -- step: batches
 WITH batch AS (
     SELECT id FROM outbox WHERE id > $1 ORDER BY id LIMIT 5000
 ), filled AS (
     UPDATE outbox o
     SET shard = (hashtext(o.partition_key) & 2147483647) % 8
-    FROM batch
-    WHERE o.id = batch.id AND o.shard IS NULL
+    WHERE o.id = ANY (ARRAY(SELECT id FROM batch)) AND o.shard IS NULL
 )
 SELECT max(id) FROM batch;
 

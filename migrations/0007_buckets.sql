@@ -44,15 +44,16 @@ WHERE l.bucket_lo IS NULL;
 ALTER TABLE outbox_relay_shard_leases ALTER COLUMN bucket_lo SET NOT NULL;
 ALTER TABLE outbox_relay_shard_leases ALTER COLUMN bucket_hi SET NOT NULL;
 
--- The rows already there, a few thousand per transaction, in id order.
+-- The rows already there, a few thousand per transaction, in id order, each
+-- batch looked up by primary key (`= ANY`), whatever the statistics say: a
+-- join with the batch could be planned as a scan of the whole outbox per batch.
 -- step: batches
 WITH batch AS (
     SELECT id FROM outbox WHERE id > $1 ORDER BY id LIMIT 5000
 ), filled AS (
     UPDATE outbox o
     SET bucket = (hashtext(o.partition_key) & 2147483647) % 4096
-    FROM batch
-    WHERE o.id = batch.id AND o.bucket IS NULL
+    WHERE o.id = ANY (ARRAY(SELECT id FROM batch)) AND o.bucket IS NULL
 )
 SELECT max(id) FROM batch;
 

@@ -1,16 +1,21 @@
 //! The ordered claim walks a shard's keys round-robin from a key cursor and
 //! wraps around: keys before the cursor whose head became claimable are taken
-//! once the walk passes the last key, a key whose head is in flight or waiting
-//! for a retry gives nothing (not even its later rows), and a claim stops at
-//! its limit instead of taking the oldest heads of the whole shard. (That
+//! once the walk passes the last key, a key whose head waits for a retry (or
+//! is held for its outcome) gives nothing (not even its later rows), a head
+//! already in flight is read again but skipped as the claimer skips it, and a
+//! claim stops at its limit instead of taking the oldest heads of the whole
+//! shard. (That
 //! the claim checks each head through the primary key whatever the
 //! statistics say is tested beside the statement, in `src/store/tests.rs`.)
 
 mod common;
 
+use std::collections::HashSet;
 use std::time::Duration;
 
-use outbox_relay::store::outbox::{next_key_cursor, no_key_cursor, ClaimScope, KeyCursor};
+use outbox_relay::store::outbox::{
+    key_cursor_after, next_key_cursor, no_key_cursor, ClaimScope, KeyCursor,
+};
 use outbox_relay::store::{Fence, Session, ShardId, Store};
 use tokio_postgres::Client;
 
@@ -20,29 +25,53 @@ struct Claim {
     cursor: KeyCursor,
     /// Shard 0, taken for the test.
     fence: Fence,
+    /// What the test has "in flight": a claim writes nothing on the rows, so
+    /// skipping these is the claimer's part, done here the same way.
+    out: HashSet<i64>,
 }
 
 impl Claim {
-    /// One claim of up to `limit` heads; returns `(key, id)` sorted by key and
-    /// moves the cursor as the claimer does.
+    /// One claim of up to `limit` heads, as the claimer makes it: read that
+    /// many more than are out, skip those, move the cursor after the ones
+    /// taken. Returns `(key, id)` sorted by key.
     async fn take(&mut self, limit: i64) -> Vec<(String, i64)> {
         let ordered = ["%".to_owned()];
         let scope = ClaimScope {
             fence: self.fence,
-            lease: Duration::from_secs(60),
             ordered: &ordered,
         };
-        let rows = self
+        let read = self
             .session
-            .claim_heads(&scope, &mut self.cursor, limit)
+            .claim_heads(&scope, &self.cursor, limit + self.out.len() as i64)
             .await
             .unwrap();
-        let mut got: Vec<(String, i64)> = rows
+        let all_read = key_cursor_after(&self.cursor, &read);
+        let taken: Vec<_> = read
+            .into_iter()
+            .filter(|c| !self.out.contains(&c.row.id))
+            .take(limit as usize)
+            .collect();
+        self.cursor = if taken.is_empty() {
+            all_read
+        } else {
+            key_cursor_after(&self.cursor, &taken)
+        };
+        self.out.extend(taken.iter().map(|c| c.row.id));
+        let mut got: Vec<(String, i64)> = taken
             .into_iter()
             .map(|c| (c.row.partition_key, c.row.id))
             .collect();
         got.sort();
         got
+    }
+
+    /// The outcome of `id` is written: it is no longer out.
+    async fn mark(&mut self, id: i64, set: &str) {
+        self.out.remove(&id);
+        self.client
+            .execute(&format!("UPDATE outbox SET {set} WHERE id = $1"), &[&id])
+            .await
+            .unwrap();
     }
 }
 
@@ -93,6 +122,7 @@ async fn the_key_walk_resumes_after_its_cursor_and_wraps_around() {
         session: store.session(),
         cursor: no_key_cursor(),
         fence,
+        out: HashSet::new(),
     };
     let head = |key: &str, got: &[(String, i64)]| -> i64 {
         got.iter().find(|(k, _)| k == key).expect("claimed").1
@@ -110,21 +140,14 @@ async fn the_key_walk_resumes_after_its_cursor_and_wraps_around() {
     // row is now its head and claimable; walk[1] has nothing (its later rows
     // stay back).
     claim
-        .client
-        .execute(
-            "UPDATE outbox SET published_at = now(), locked_until = NULL WHERE id = $1",
-            &[&head(&walk[0], &first)],
-        )
-        .await
-        .unwrap();
+        .mark(head(&walk[0], &first), "published_at = now()")
+        .await;
     claim
-        .client
-        .execute(
-            "UPDATE outbox SET available_at = now() + interval '1 hour', locked_until = NULL WHERE id = $1",
-            &[&head(&walk[1], &first)],
+        .mark(
+            head(&walk[1], &first),
+            "available_at = now() + interval '1 hour'",
         )
-        .await
-        .unwrap();
+        .await;
 
     // The walk goes on after walk[5] to the end, then wraps to walk[0]
     // (walk[1] waits, walk[2..6] are in flight): the keys before the cursor
@@ -149,24 +172,36 @@ async fn the_key_walk_resumes_after_its_cursor_and_wraps_around() {
 
     // The retry comes due: taken on the next lap, one row for walk[1] only.
     claim
-        .client
-        .execute(
-            "UPDATE outbox SET available_at = now() WHERE id = $1",
-            &[&head(&walk[1], &first)],
-        )
-        .await
-        .unwrap();
+        .mark(head(&walk[1], &first), "available_at = now()")
+        .await;
     let fourth = claim.take(10).await;
     assert_eq!(fourth, [(walk[1].clone(), head(&walk[1], &first))]);
 
-    // Never two rows of one key leased at once.
+    // A head held for its outcome (an ordered QStash delivery waiting for
+    // its callback) gives nothing either, even when it is not out here (a
+    // new owner of the shard must not send it again, nor its key's next).
+    let held = head(&walk[6], &third);
+    claim
+        .mark(held, "locked_until = now() + interval '1 hour'")
+        .await;
+    claim
+        .mark(head(&walk[7], &third), "published_at = now()")
+        .await;
+    let fifth = claim.take(10).await;
+    assert!(
+        fifth.iter().all(|(k, _)| *k != walk[6]),
+        "a held head was read: {fifth:?}"
+    );
+    assert!(fifth.iter().any(|(k, _)| *k == walk[7]), "{fifth:?}");
+
+    // Never two rows of one key out at once.
+    let out: Vec<i64> = claim.out.iter().copied().collect();
     let doubled: i64 = claim
         .client
         .query_one(
-            "SELECT count(*) FROM (SELECT partition_key FROM outbox
-               WHERE locked_until > now() AND published_at IS NULL
+            "SELECT count(*) FROM (SELECT partition_key FROM outbox WHERE id = ANY($1)
                GROUP BY partition_key HAVING count(*) > 1) d",
-            &[],
+            &[&out],
         )
         .await
         .unwrap()

@@ -3,12 +3,11 @@
 mod common;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::Arc;
+
 use std::time::Duration;
 
 use common::{config, count, insert_events, pending, wait_until, QSTASH_ROUTE};
 use outbox_client::{enqueue, NewEvent};
-use outbox_relay::actors::Hooks;
 use outbox_relay::Relay;
 use outbox_testkit::sink::Reply;
 use outbox_testkit::TestDb;
@@ -443,42 +442,6 @@ async fn ordered_keys_hold_back_behind_a_failing_event_and_others_flow() {
         flow,
         HashSet::from([("order:slow".to_owned(), "parallelism=1".to_owned())])
     );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_panicking_publisher_is_restarted_and_its_rows_come_back() {
-    let db = common::test_db().await;
-    let sink = common::start_sink().await;
-    insert_events(&db, 500, 50).await;
-    let c = db.client().await.unwrap();
-    let victim: i64 = c
-        .query_one(
-            "SELECT id FROM outbox WHERE idempotency_key = 'evt-77'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    // Panic on the victim's first attempt only.
-    let hooks = Hooks {
-        publisher_panics_on: Some(Arc::new(move |row| row.id == victim && row.attempt == 1)),
-    };
-    let relay = Relay::start_with_hooks(config(&db, &sink.url(), QSTASH_ROUTE), hooks)
-        .await
-        .unwrap();
-    assert!(wait_until(DRAIN_LIMIT, || async { pending(&db).await == 0 }).await);
-    let restarts = relay.restarts().await;
-    let report = relay.shutdown().await;
-    assert_eq!(restarts.get("publisher"), Some(&1), "{restarts:?}");
-    assert_eq!(report.counters.published, 500);
-    let keys: HashSet<String> = sink.accepted().into_iter().map(|r| r.dedup_id).collect();
-    assert_eq!(keys.len(), 500, "nothing lost");
-    let attempts: i32 = c
-        .query_one("SELECT attempt_count FROM outbox WHERE id = $1", &[&victim])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(attempts, 2, "claimed again after its lease expired");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1058,7 +1058,7 @@ async fn the_partitioned_outbox_has_every_column_and_index_of_the_migrated_one()
         strings(INDEXES).await,
         strings(TRIGGERS).await,
     );
-    assert_eq!(columns.len(), 17, "{columns:?}");
+    assert_eq!(columns.len(), 18, "{columns:?}");
     assert!(indexes.len() >= 7, "{indexes:?}");
     assert_eq!(triggers.len(), 1, "{triggers:?}"); // no NOTIFY trigger (migration 0006)
     partitions::init(&mut client, 0).await.unwrap();

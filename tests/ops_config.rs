@@ -93,7 +93,7 @@ fn metric_names_follow_prometheus_conventions() {
         .iter()
         .filter(|n| n.ends_with("_total"))
         .collect();
-    assert_eq!(counters.len(), 10);
+    assert_eq!(counters.len(), 12);
     for h in HISTOGRAMS {
         assert!(METRIC_NAMES.contains(h));
         assert!(!h.ends_with("_total"));

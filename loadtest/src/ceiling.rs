@@ -1,6 +1,6 @@
-//! `loadtest sql-ceiling`: the relay's own claim and mark statements in a loop
-//! on the same database, with no HTTP at all, one claimer per shard as the
-//! relay runs them. What it drains per second is the most any relay built on
+//! `loadtest sql-ceiling`: the relay's own claim (a read) and mark (the one
+//! write per event) in a loop on the same database, with no HTTP at all, one
+//! claimer per shard as the relay runs them. What it drains per second is the most any relay built on
 //! these statements can reach here; reports print the relay's throughput as a
 //! fraction of it.
 
@@ -37,7 +37,6 @@ pub async fn run(database_url: &str, claim_batch: i64) -> Result<Ceiling, StoreE
                 .await?;
             let scope = ClaimScope {
                 fence,
-                lease: Duration::from_secs(60),
                 ordered: &[],
             };
             let mut session = store.session();
@@ -56,14 +55,7 @@ pub async fn run(database_url: &str, claim_batch: i64) -> Result<Ceiling, StoreE
                     .expect("not empty");
                 let marks: Vec<(Held, Write)> = claimed
                     .iter()
-                    .map(|c| {
-                        let held = Held {
-                            id: c.row.id,
-                            attempt: c.row.attempt,
-                            fence,
-                        };
-                        (held, Write::Published)
-                    })
+                    .map(|c| (c.held(fence), Write::Published))
                     .collect();
                 let written = session.mark(&marks).await;
                 if let Some(e) = written.error {

@@ -45,6 +45,7 @@ CREATE TABLE outbox (
     last_error       text,
     partition_key    text         NOT NULL,
     bucket           smallint     NOT NULL,
+    accepted_at      timestamptz,
     PRIMARY KEY (id, created_at)
 ) PARTITION BY RANGE (created_at);
 

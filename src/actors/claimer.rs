@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use metrics::{counter, gauge, histogram};
 use ractor::{Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef};
 
-use super::inflight::{InFlight, Lease};
+use super::inflight::{ClaimGuard, InFlight, Lease};
 use super::marker::{Mark, Marked, MarkerPort};
 use super::publisher::{PublisherMsg, Publishers};
 use super::Counters;
@@ -27,7 +27,7 @@ use crate::routes::Router;
 use crate::sink::breaker::Breakers;
 use crate::sink::DeadReason;
 use crate::store::outbox::{
-    no_cursor, no_key_cursor, ClaimScope, Claimed, Cursor, Held, KeyCursor,
+    key_cursor_after, no_cursor, no_key_cursor, ClaimScope, Claimed, Cursor, KeyCursor,
 };
 use crate::store::{Fence, Session, ShardId, Store, StoreError};
 use outbox_client::row::OutboxRow;
@@ -78,6 +78,9 @@ pub struct Claimer;
 pub struct ClaimerArgs {
     /// The shard and this replica's tenure of it.
     pub fence: Fence,
+    /// The first claim waits until then (the shard was not handed over
+    /// cleanly: a request of its last owner may still be in the air).
+    pub not_before: Option<Instant>,
     pub cx: ClaimerContext,
 }
 
@@ -110,7 +113,16 @@ impl Actor for Claimer {
         args: ClaimerArgs,
     ) -> Result<ClaimerState, ActorProcessingErr> {
         let all_ordered = args.cx.settings.ordered.iter().any(|p| p == "%");
-        myself.cast(ClaimerMsg::Claim)?;
+        match args
+            .not_before
+            .map(|t| t.saturating_duration_since(Instant::now()))
+        {
+            Some(wait) if !wait.is_zero() => {
+                tracing::info!(shard = %args.fence.shard, ?wait, "waiting for the shard's last owner's requests to end before claiming");
+                myself.send_after(wait, || ClaimerMsg::Claim);
+            }
+            _ => myself.cast(ClaimerMsg::Claim)?,
+        }
         Ok(ClaimerState {
             fence: args.fence,
             session: args.cx.store.session(),
@@ -206,12 +218,8 @@ async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerSt
     let got = rows.len();
     let mut leased = Vec::with_capacity(got);
     for claimed in rows {
-        let held = Held {
-            id: claimed.row.id,
-            attempt: claimed.row.attempt,
-            fence: state.fence,
-        };
-        let lease = permits.lease(held, expires, &cx.in_flight);
+        let mut lease = permits.lease(claimed.held(state.fence), expires, &cx.in_flight);
+        lease.held_before = claimed.held_before;
         leased.push((claimed.row, lease));
     }
     drop(permits); // permits for rows we did not get go back
@@ -225,16 +233,21 @@ async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerSt
     }
 }
 
-/// The claimed rows, in id order.
+/// The claimed rows, in id order: read from the database (which writes
+/// nothing for a claim), less the rows this relay has out already.
 async fn claim(state: &mut ClaimerState, limit: i64) -> Result<Vec<Claimed>, StoreError> {
-    let ordered = &state.cx.settings.ordered;
+    // Its own handle on the patterns, so the scope does not borrow the state.
+    let ordered = Arc::clone(&state.cx.settings.ordered);
     let scope = ClaimScope {
         fence: state.fence,
-        lease: state.cx.settings.lease,
-        ordered,
+        ordered: &ordered,
     };
     let heads = !ordered.is_empty();
     let plain = !state.all_ordered;
+    // Rows of this shard out now are read again when a claim goes back over
+    // them (a short claim starts from the beginning): read that many more.
+    let out = state.cx.in_flight.count_of(state.fence) as i64;
+    let claim = state.cx.in_flight.claim_starts();
     // When both kinds run, each gets half of every claim, and what one leaves
     // the other may take: a large ordered backlog never starves the
     // unordered event types, nor the other way round.
@@ -247,41 +260,71 @@ async fn claim(state: &mut ClaimerState, limit: i64) -> Result<Vec<Claimed>, Sto
     };
     let mut rows = Vec::new();
     if heads && heads_share > 0 {
-        rows.extend(
-            state
-                .session
-                .claim_heads(&scope, &mut state.key_cursor, heads_share)
-                .await?,
-        );
+        rows.extend(heads_claim(state, &claim, &scope, heads_share, out).await?);
     }
     // Heads may want more than their share (none was asked, or all were taken).
     let heads_want_more = heads && rows.len() as i64 >= heads_share;
     let rest = limit - rows.len() as i64;
     if plain && rest > 0 {
-        let plain_rows = state.session.claim_due(&scope, state.cursor, rest).await?;
+        let asked = rest + out;
+        let read = state.session.claim_due(&scope, state.cursor, asked).await?;
+        let full = read.len() as i64 == asked;
+        let last_read = read.last().map(Claimed::cursor);
+        let taken = fresh(&claim, read, rest);
         // The plain claim's cursor follows its own rows only (key heads are
-        // anywhere in the shard): full, the next claim goes on after them;
-        // short, it starts again from the beginning.
-        state.cursor = match plain_rows.iter().map(Claimed::cursor).max() {
-            Some(last) if plain_rows.len() as i64 == rest => last,
+        // anywhere in the shard): full, the next claim goes on after what it
+        // took (or read, when all of it was out already); short, it starts
+        // again from the beginning.
+        state.cursor = match (full, taken.last().map(Claimed::cursor), last_read) {
+            (true, Some(last), _) if taken.len() as i64 == rest => last,
+            (true, _, Some(last)) => last,
             _ => no_cursor(),
         };
-        let short = (plain_rows.len() as i64) < rest;
-        rows.extend(plain_rows);
+        let short = (taken.len() as i64) < rest;
+        rows.extend(taken);
         // The unordered types left room: give it to the ordered heads.
         let room = limit - rows.len() as i64;
         if short && room > 0 && heads_want_more {
-            rows.extend(
-                state
-                    .session
-                    .claim_heads(&scope, &mut state.key_cursor, room)
-                    .await?,
-            );
+            rows.extend(heads_claim(state, &claim, &scope, room, out).await?);
         }
     }
-    // RETURNING has no order; publish in id order.
     rows.sort_unstable_by_key(|c| c.row.id);
+    rows.dedup_by_key(|c| c.row.id);
     Ok(rows)
+}
+
+/// Up to `limit` key heads this relay does not have out, reading `out` more
+/// (the heads it may have out); the key walk goes on after the last one taken,
+/// or after the last one read when every head read was out.
+async fn heads_claim(
+    state: &mut ClaimerState,
+    claim: &ClaimGuard,
+    scope: &ClaimScope<'_>,
+    limit: i64,
+    out: i64,
+) -> Result<Vec<Claimed>, StoreError> {
+    let read = state
+        .session
+        .claim_heads(scope, &state.key_cursor, limit + out)
+        .await?;
+    let all_read = key_cursor_after(&state.key_cursor, &read);
+    let taken = fresh(claim, read, limit);
+    state.key_cursor = if taken.is_empty() {
+        all_read
+    } else {
+        key_cursor_after(&state.key_cursor, &taken)
+    };
+    Ok(taken)
+}
+
+/// The first `limit` of `read` that this relay does not have out, nor had
+/// out while the claim ran.
+fn fresh(claim: &ClaimGuard, read: Vec<Claimed>, limit: i64) -> Vec<Claimed> {
+    let new = claim.fresh(read.iter().map(|c| c.row.id));
+    read.into_iter()
+        .filter(|c| new.contains(&c.row.id))
+        .take(limit.max(0) as usize)
+        .collect()
 }
 
 /// Groups rows by route and sends publisher-sized jobs; rows no route takes
@@ -365,6 +408,7 @@ struct ClaimersInner {
 #[derive(Clone)]
 struct Running {
     token: i64,
+    not_before: Option<Instant>,
     actor: Option<ActorRef<ClaimerMsg>>,
 }
 
@@ -385,13 +429,15 @@ impl Claimers {
     }
 
     /// Runs a claimer for `fence` (stopping the one of an older tenure of the
-    /// shard first). When it cannot be started it is tried again shortly.
-    pub async fn start(&self, fence: Fence) {
+    /// shard first), claiming from `not_before` on. When it cannot be started
+    /// it is tried again shortly.
+    pub async fn start(&self, fence: Fence, not_before: Option<Instant>) {
         let _changing = self.0.changing.lock().await;
         let old = self.0.running_mut().insert(
             fence.shard,
             Running {
                 token: fence.token,
+                not_before,
                 actor: None,
             },
         );
@@ -471,6 +517,15 @@ impl Claimers {
         self.spawn(Fence { shard, token }).await;
     }
 
+    /// When the claimer of `fence` may claim first.
+    fn not_before(&self, fence: Fence) -> Option<Instant> {
+        self.0
+            .running()
+            .get(&fence.shard)
+            .filter(|r| r.token == fence.token)
+            .and_then(|r| r.not_before)
+    }
+
     /// Shards with a claimer wanted.
     pub fn shards(&self) -> Vec<ShardId> {
         let mut v: Vec<ShardId> = self.0.running().keys().copied().collect();
@@ -487,6 +542,7 @@ impl Claimers {
         };
         let args = ClaimerArgs {
             fence,
+            not_before: self.not_before(fence),
             cx: self.0.cx.clone(),
         };
         match Actor::spawn_linked(None, Claimer, args, supervisor).await {

@@ -60,6 +60,9 @@ pub struct CoordinatorState {
     /// Tenures on their way out, until the lease is given back.
     handing_over: HashMap<ShardId, i64>,
     stopping: bool,
+    /// Left the replica list (shutdown): a round still scheduled must not
+    /// announce this replica again.
+    left: bool,
 }
 
 impl Actor for Coordinator {
@@ -78,6 +81,7 @@ impl Actor for Coordinator {
             args,
             handing_over: HashMap::new(),
             stopping: false,
+            left: false,
         })
     }
 
@@ -89,6 +93,9 @@ impl Actor for Coordinator {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             CoordinatorMsg::Tick => {
+                if state.left {
+                    return Ok(());
+                }
                 let next = match round(&myself, state).await {
                     Ok(next) => {
                         state.session.succeeded();
@@ -127,6 +134,7 @@ impl Actor for Coordinator {
             CoordinatorMsg::Stopping => state.stopping = true,
             CoordinatorMsg::Leave(reply) => {
                 state.stopping = true;
+                state.left = true;
                 if let Err(e) = leave(state).await {
                     state.session.failed();
                     tracing::warn!(error = %e, "could not give the shard leases back; they end on their own");
@@ -201,6 +209,14 @@ async fn round(
             .await?;
         for acquired in taken {
             let fence = acquired.fence;
+            // Taken from a lease that ended rather than one given back: its
+            // last owner may have requests in the air (a claim wrote nothing
+            // that would keep their rows from being read again), so the first
+            // claim waits until every such request is over.
+            let not_before = acquired
+                .previous
+                .is_some()
+                .then(|| started + state.args.winddown.requests_end_within);
             state
                 .args
                 .ownership
@@ -213,7 +229,7 @@ async fn round(
                 "shard taken"
             );
             let claimers = state.args.claimers.clone();
-            tokio::spawn(async move { claimers.start(fence).await });
+            tokio::spawn(async move { claimers.start(fence, not_before).await });
         }
     }
     let now_holding = holding(state);
@@ -277,7 +293,7 @@ fn hand_over(myself: &ActorRef<CoordinatorMsg>, state: &mut CoordinatorState, sh
     tokio::spawn(async move {
         let wound = winddown.shard(fence).await;
         if wound.in_flight_at_deadline > 0 {
-            tracing::warn!(%shard, rows = wound.in_flight_at_deadline, released = wound.released, "handover: rows were still in flight when their requests had to be over");
+            tracing::warn!(%shard, rows = wound.in_flight_at_deadline, "handover: rows were still out when their requests had to be over; the next owner reads them again");
         }
         let _ = coordinator.cast(CoordinatorMsg::HandedOver(fence));
     });

@@ -1,16 +1,23 @@
-//! Rows in flight: claimed and not yet marked. A semaphore of
-//! `relay.max_in_flight` permits bounds them (backpressure: a claimer takes
-//! permits before it claims), and a table of what each holds lets a handover
-//! or a shutdown release the leases of rows that were never delivered.
+//! Rows in flight: claimed and not yet marked. A claim writes nothing on the
+//! rows it reads, so this table is what keeps a row from being handed out
+//! twice: a claimer skips the rows it finds here, and also the rows that left
+//! it while the claim ran. (A claim reads under a snapshot taken when it
+//! starts, so a row whose mark committed after that still reads as pending;
+//! its lease is dropped only after the commit, so "dropped after the claim
+//! started" covers every such row.) A semaphore of `relay.max_in_flight`
+//! permits bounds them (backpressure: a claimer takes permits before it
+//! claims), and a handover waits until none of its shard's rows is left here.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::store::outbox::Held;
-use crate::store::{Fence, ShardId};
+use crate::store::Fence;
+#[cfg(test)]
+use crate::store::ShardId;
 
 /// How long a claimer waits for a quarter batch of permits before taking
 /// whatever is free.
@@ -20,7 +27,57 @@ const PERMIT_WAIT: Duration = Duration::from_millis(100);
 pub struct InFlight {
     permits: Arc<Semaphore>,
     max: usize,
-    rows: Mutex<HashMap<i64, Held>>,
+    table: Mutex<Table>,
+}
+
+#[derive(Debug, Default)]
+struct Table {
+    rows: HashMap<i64, Held>,
+    /// Rows per tenure, so a claim knows how many of what it reads are
+    /// already out.
+    per_fence: HashMap<Fence, usize>,
+    /// When each running claim started (a count per instant).
+    claims: BTreeMap<Instant, usize>,
+    /// Rows whose lease was dropped while a claim ran, by when: kept until
+    /// every claim that started before has ended.
+    left: VecDeque<(Instant, i64)>,
+}
+
+impl Table {
+    fn insert(&mut self, held: Held) {
+        if let Some(old) = self.rows.insert(held.id, held) {
+            self.forget_count(old.fence);
+        }
+        *self.per_fence.entry(held.fence).or_default() += 1;
+    }
+
+    fn remove(&mut self, id: i64) {
+        if let Some(old) = self.rows.remove(&id) {
+            self.forget_count(old.fence);
+        }
+    }
+
+    /// Drops what no running claim can need: rows that left before the
+    /// oldest running claim started (all of them when none runs).
+    fn prune(&mut self) {
+        let oldest = self.claims.keys().next().copied();
+        while self
+            .left
+            .front()
+            .is_some_and(|(at, _)| oldest.is_none_or(|o| *at < o))
+        {
+            self.left.pop_front();
+        }
+    }
+
+    fn forget_count(&mut self, fence: Fence) {
+        if let Some(n) = self.per_fence.get_mut(&fence) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_fence.remove(&fence);
+            }
+        }
+    }
 }
 
 impl InFlight {
@@ -28,7 +85,7 @@ impl InFlight {
         Arc::new(InFlight {
             permits: Arc::new(Semaphore::new(max)),
             max,
-            rows: Mutex::new(HashMap::new()),
+            table: Mutex::new(Table::default()),
         })
     }
 
@@ -70,41 +127,47 @@ impl InFlight {
 
     /// Every row held.
     pub fn snapshot(&self) -> Vec<Held> {
-        self.lock().values().copied().collect()
+        self.lock().rows.values().copied().collect()
     }
 
-    /// The rows held under `fence` (one tenure of one shard).
-    pub fn of(&self, fence: Fence) -> Vec<Held> {
-        self.lock()
-            .values()
-            .filter(|h| h.fence == fence)
-            .copied()
-            .collect()
+    /// How many rows are out under `fence` (one tenure of one shard).
+    pub fn count_of(&self, fence: Fence) -> usize {
+        self.lock().per_fence.get(&fence).copied().unwrap_or(0)
     }
 
-    /// Does any row of `shard` remain under `fence`'s tenure?
+    /// Does any row remain out under `fence`'s tenure?
     pub fn holds_any(&self, fence: Fence) -> bool {
-        self.lock().values().any(|h| h.fence == fence)
+        self.count_of(fence) > 0
     }
 
-    pub fn shard_rows(&self, shard: ShardId) -> usize {
-        self.lock()
-            .values()
-            .filter(|h| h.fence.shard == shard)
-            .count()
+    /// A claim begins: until the returned guard drops, rows that leave the
+    /// table are remembered, so [`ClaimGuard::fresh`] can tell a row whose
+    /// outcome was written during the claim.
+    pub fn claim_starts(self: &Arc<Self>) -> ClaimGuard {
+        let started = Instant::now();
+        *self.lock().claims.entry(started).or_default() += 1;
+        ClaimGuard {
+            in_flight: Arc::clone(self),
+            started,
+        }
+    }
+
+    /// Is row `id` out now?
+    pub fn contains(&self, id: i64) -> bool {
+        self.lock().rows.contains_key(&id)
     }
 
     /// Rows in the table (may briefly differ from [`InFlight::count`]).
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().rows.len()
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<i64, Held>> {
-        self.rows.lock().expect("in-flight lock")
+    fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.table.lock().expect("in-flight lock")
     }
 }
 
@@ -116,13 +179,15 @@ impl Permits {
         self.0.num_permits()
     }
 
-    /// The hold of one claimed row on the relay, leased until `expires`.
+    /// The hold of one claimed row on the relay; a publisher drops it
+    /// unsent after `expires`.
     pub fn lease(&mut self, held: Held, expires: Instant, in_flight: &Arc<InFlight>) -> Lease {
         let permit = self.0.split(1).expect("one permit per claimed row");
-        in_flight.lock().insert(held.id, held);
+        in_flight.lock().insert(held);
         Lease {
             held,
             expires,
+            held_before: false,
             _permit: permit,
             in_flight: Arc::clone(in_flight),
         }
@@ -135,9 +200,11 @@ impl Permits {
 #[derive(Debug)]
 pub struct Lease {
     pub held: Held,
-    /// When the database lets another claim take the row (as this process
-    /// sees it: the claim's start plus the lease).
+    /// How long the row may wait for a publisher (the claim's start plus
+    /// `relay.lease`); after that it is put back unsent and read again.
     pub expires: Instant,
+    /// QStash took an earlier attempt and no outcome came back in time.
+    pub held_before: bool,
     _permit: OwnedSemaphorePermit,
     in_flight: Arc<InFlight>,
 }
@@ -147,8 +214,10 @@ impl Lease {
         self.held.id
     }
 
+    /// The attempt this delivery is, counting from 1 (one more than the
+    /// attempts the row records).
     pub fn attempt(&self) -> i32 {
-        self.held.attempt
+        self.held.attempt + 1
     }
 
     pub fn fence(&self) -> Fence {
@@ -158,14 +227,51 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        let mut rows = self.in_flight.lock();
-        // A newer claim of the same row (after our lease expired) keeps its entry.
-        if rows
-            .get(&self.held.id)
-            .is_some_and(|h| h.attempt == self.held.attempt)
-        {
-            rows.remove(&self.held.id);
+        let mut table = self.in_flight.lock();
+        // A newer claim of the same row (another tenure) keeps its entry.
+        if table.rows.get(&self.held.id) == Some(&self.held) {
+            table.remove(self.held.id);
+            if !table.claims.is_empty() {
+                table.left.push_back((Instant::now(), self.held.id));
+            }
         }
+    }
+}
+
+/// A claim in progress (see [`InFlight::claim_starts`]).
+pub struct ClaimGuard {
+    in_flight: Arc<InFlight>,
+    started: Instant,
+}
+
+impl ClaimGuard {
+    /// Of the rows this claim read, those to hand out: not out now, and not
+    /// out at any time since the claim started (such a row may read as
+    /// pending although its outcome is written).
+    pub fn fresh(&self, ids: impl IntoIterator<Item = i64>) -> HashSet<i64> {
+        let table = self.in_flight.lock();
+        let since: HashSet<i64> = table
+            .left
+            .iter()
+            .filter(|(at, _)| *at >= self.started)
+            .map(|(_, id)| *id)
+            .collect();
+        ids.into_iter()
+            .filter(|id| !table.rows.contains_key(id) && !since.contains(id))
+            .collect()
+    }
+}
+
+impl Drop for ClaimGuard {
+    fn drop(&mut self) {
+        let mut table = self.in_flight.lock();
+        if let Some(n) = table.claims.get_mut(&self.started) {
+            *n -= 1;
+            if *n == 0 {
+                table.claims.remove(&self.started);
+            }
+        }
+        table.prune();
     }
 }
 
@@ -194,13 +300,28 @@ mod tests {
         let b = permits.lease(held(2, 1, 8), later, &in_flight);
         drop(permits);
         assert_eq!(in_flight.count(), 2, "unused permits go back");
-        assert_eq!(in_flight.of(a.fence()), vec![a.held]);
+        assert_eq!(in_flight.count_of(a.fence()), 1);
         assert!(in_flight.holds_any(b.fence()));
+        assert!(in_flight.contains(1) && !in_flight.contains(3));
+        let claim = in_flight.claim_starts();
+        assert_eq!(claim.fresh([1, 2, 3]), HashSet::from([3]));
         drop(a);
         assert_eq!(in_flight.count(), 1);
         assert_eq!(in_flight.snapshot(), vec![b.held]);
+        // Row 1 left while the claim ran: it may read as pending although
+        // marked, so that claim does not hand it out; a later claim does.
+        assert_eq!(claim.fresh([1, 3]), HashSet::from([3]));
+        drop(claim);
+        assert_eq!(
+            in_flight.claim_starts().fresh([1, 3]),
+            HashSet::from([1, 3])
+        );
         drop(b);
         assert!(in_flight.is_empty());
         assert_eq!(in_flight.count(), 0);
+        assert!(!in_flight.holds_any(Fence {
+            shard: ShardId::new(1),
+            token: 8
+        }));
     }
 }

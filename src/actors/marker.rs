@@ -34,14 +34,20 @@ pub enum Mark {
         reason: DeadReason,
         error: String,
     },
-    /// Not attempted after all (shutdown, a lease too short to send): the
-    /// lease is given back and the attempt not counted.
+    /// Not attempted after all (shutdown, handover, a row that waited too
+    /// long for a publisher): nothing is written, and the next claim (here or
+    /// at the shard's next owner) reads the row again.
     Release,
     /// Not attempted, or failed because of the sink rather than the event:
     /// the route is paused. Back after `delay`, the attempt not counted.
     Defer {
         delay: Duration,
         error: String,
+    },
+    /// QStash took it for an ordered route: held for up to `delay` until its
+    /// callback says what the destination answered; its key waits meanwhile.
+    Hold {
+        delay: Duration,
     },
 }
 
@@ -59,6 +65,7 @@ impl Mark {
                 delay: *delay,
                 error,
             },
+            Mark::Hold { delay } => Write::Hold { delay: *delay },
         }
     }
 }
@@ -78,9 +85,6 @@ pub enum MarkerMsg {
     Flush,
     /// Write everything pending now; replies when written (or given up).
     FlushNow(RpcReplyPort<()>),
-    /// Give back the leases of rows that were never delivered; replies with
-    /// how many rows it released.
-    Release(Vec<Held>, RpcReplyPort<u64>),
 }
 
 /// How long the marker may take to write before a caller stops waiting.
@@ -121,22 +125,6 @@ impl MarkerPort {
             marker.call(MarkerMsg::FlushNow, Some(FLUSH_TIMEOUT)).await,
             Ok(ractor::rpc::CallResult::Success(()))
         )
-    }
-
-    /// Gives back the leases of `rows`; how many the database still held
-    /// under this relay's claim, `None` when it could not be done.
-    pub async fn release(&self, rows: Vec<Held>) -> Option<u64> {
-        if rows.is_empty() {
-            return Some(0);
-        }
-        let marker = self.0.get()?;
-        match marker
-            .call(|reply| MarkerMsg::Release(rows, reply), Some(FLUSH_TIMEOUT))
-            .await
-        {
-            Ok(ractor::rpc::CallResult::Success(n)) => Some(n),
-            _ => None,
-        }
     }
 }
 
@@ -213,20 +201,6 @@ impl Actor for Marker {
                         .await;
                 }
                 let _ = reply.send(());
-            }
-            MarkerMsg::Release(rows, reply) => {
-                let released = match state.session.release(&rows).await {
-                    Ok(n) => {
-                        state.session.succeeded();
-                        n
-                    }
-                    Err(e) => {
-                        state.session.failed();
-                        tracing::warn!(error = %e, rows = rows.len(), "could not release leases; they will expire");
-                        0
-                    }
-                };
-                let _ = reply.send(released);
             }
         }
         Ok(())
@@ -329,6 +303,10 @@ fn account(args: &MarkerArgs, marked: &[Marked], applied: &HashSet<i64>, refused
             Mark::Defer { .. } => {
                 counter!(m::DEFERRED, "route" => route).increment(1);
                 counters.deferred.fetch_add(1, AtomicOrdering::Relaxed);
+            }
+            Mark::Hold { .. } => {
+                counter!(m::HELD, "route" => route).increment(1);
+                counters.held.fetch_add(1, AtomicOrdering::Relaxed);
             }
             Mark::Release => {}
         }

@@ -63,6 +63,7 @@ pub struct Counters {
     pub dead_lettered: AtomicU64,
     pub fenced: AtomicU64,
     pub deferred: AtomicU64,
+    pub held: AtomicU64,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -74,6 +75,8 @@ pub struct CountersSnapshot {
     pub fenced: u64,
     /// Rows put back unattempted while their route was paused.
     pub deferred: u64,
+    /// Ordered QStash deliveries taken by QStash and held for their callback.
+    pub held: u64,
 }
 
 impl Counters {
@@ -85,14 +88,17 @@ impl Counters {
             dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
             fenced: self.fenced.load(Ordering::Relaxed),
             deferred: self.deferred.load(Ordering::Relaxed),
+            held: self.held.load(Ordering::Relaxed),
         }
     }
 }
 
 /// A test's choice of rows, by content.
+#[cfg(test)]
 pub type RowPredicate = Arc<dyn Fn(&outbox_client::row::OutboxRow) -> bool + Send + Sync>;
 
 /// Fault injection for tests of the recovery path.
+#[cfg(test)]
 #[derive(Clone, Default)]
 pub struct Hooks {
     /// A publisher handed a row for which this returns true panics.

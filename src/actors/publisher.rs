@@ -82,6 +82,7 @@ pub struct PublisherArgs {
     /// A row is sent only when its lease outlasts a whole request.
     pub request_timeout: Duration,
     pub marker: MarkerPort,
+    #[cfg(test)]
     pub hooks: super::Hooks,
 }
 
@@ -119,6 +120,7 @@ impl Actor for Publisher {
             leases,
         } = msg;
         let args = Arc::clone(&state.args);
+        #[cfg(test)]
         if let Some(panics_on) = &args.hooks.publisher_panics_on {
             if let Some(row) = rows.iter().find(|r| panics_on(r)) {
                 panic!("injected publisher fault on row {}", row.id);

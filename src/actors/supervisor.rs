@@ -55,7 +55,8 @@ pub enum SupervisorMsg {
 pub struct ShutdownReport {
     /// Rows still in flight when the grace period ended.
     pub in_flight_at_deadline: usize,
-    /// Of those, rows whose lease was given back for another relay to take now.
+    /// Of those, rows left for the next claim to read again (no lease holds
+    /// them: another replica takes them as soon as it holds their shard).
     pub released: u64,
     pub counters: CountersSnapshot,
 }
@@ -319,7 +320,7 @@ async fn shutdown(state: &mut SupervisorState) -> ShutdownReport {
     }
     ShutdownReport {
         in_flight_at_deadline: wound.in_flight_at_deadline,
-        released: wound.released,
+        released: wound.in_flight_at_deadline as u64,
         counters: state.args.counters.snapshot(),
     }
 }

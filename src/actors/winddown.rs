@@ -1,10 +1,11 @@
 //! Winding a tenure down, one shard's (a handover) or every shard's (the
 //! shutdown): stop claiming, let no new request start, wait until no request
-//! of the shard can still reach the destination, write what was answered, and
-//! give back the leases of what was never sent. Only then may the shard's
-//! lease be given back: for an ordered key, a request of the old owner still
-//! open while the new owner sends the key's next event could reach the
-//! destination out of order.
+//! of the shard can still reach the destination, and write what was
+//! answered. Rows never sent need nothing: a claim wrote nothing on them, so
+//! the next owner reads them again. Only then may the shard's lease be given
+//! back: for an ordered key, a request of the old owner still open while the
+//! new owner sends the key's next event could reach the destination out of
+//! order.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,10 +31,9 @@ pub struct Winddown {
 /// What a wind-down left.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Wound {
-    /// Rows still in flight when the wait ended.
+    /// Rows still out when the wait ended (their outcome unwritten: the next
+    /// owner reads them again).
     pub in_flight_at_deadline: usize,
-    /// Of those, rows whose lease was given back for another claim to take now.
-    pub released: u64,
 }
 
 impl Winddown {
@@ -46,14 +46,12 @@ impl Winddown {
         while self.in_flight.holds_any(fence) && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        let in_flight_at_deadline = self.in_flight.of(fence).len();
         // From here no publisher starts a row of this tenure. (If the shard
         // was lost meanwhile and taken again, the new tenure stays.)
         self.ownership.remove_if(fence);
-        let released = self.flush_and_release(Some(fence)).await;
+        self.flush().await;
         Wound {
-            in_flight_at_deadline,
-            released,
+            in_flight_at_deadline: self.in_flight.count_of(fence),
         }
     }
 
@@ -67,35 +65,16 @@ impl Winddown {
         while self.in_flight.count() > 0 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        let in_flight_at_deadline = self.in_flight.len();
-        let released = self.flush_and_release(None).await;
+        self.flush().await;
         Wound {
-            in_flight_at_deadline,
-            released,
+            in_flight_at_deadline: self.in_flight.len(),
         }
     }
 
-    /// Writes what was answered, then gives back the leases of the rows of
-    /// `fence` (every row: `None`) still unmarked, so another claim takes
-    /// them at once.
-    async fn flush_and_release(&self, fence: Option<Fence>) -> u64 {
+    /// Writes what was answered.
+    async fn flush(&self) {
         if !self.marker.flush().await {
-            tracing::warn!("the marker did not confirm its flush; unmarked rows will be claimed again when their leases expire");
-        }
-        let rest = match fence {
-            Some(fence) => self.in_flight.of(fence),
-            None => self.in_flight.snapshot(),
-        };
-        if rest.is_empty() {
-            return 0;
-        }
-        let n = rest.len();
-        match self.marker.release(rest).await {
-            Some(released) => released,
-            None => {
-                tracing::warn!(rows = n, "could not release the leases of undelivered rows; they are claimed again when the leases expire");
-                0
-            }
+            tracing::warn!("the marker did not confirm its flush; rows whose outcome it held are read again by the next claim");
         }
     }
 }

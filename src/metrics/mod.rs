@@ -20,6 +20,8 @@ pub const MARKS_FENCED: &str = names::MARKS_FENCED_TOTAL;
 pub const SHARD_HANDOVERS: &str = names::SHARD_HANDOVERS_TOTAL;
 pub const SHARDS_OWNED: &str = names::SHARDS_OWNED;
 pub const DEFERRED: &str = names::EVENTS_DEFERRED_TOTAL;
+pub const HELD: &str = names::EVENTS_HELD_TOTAL;
+pub const CALLBACKS: &str = names::CALLBACKS_TOTAL;
 pub const ROUTE_PAUSES: &str = names::ROUTE_PAUSES_TOTAL;
 pub const ROUTE_PAUSED: &str = names::ROUTE_PAUSED;
 pub const MARKS_FAILED: &str = names::MARKS_FAILED_TOTAL;
@@ -72,6 +74,11 @@ fn describe() {
         ROUTE_PAUSES,
         "Times a route paused because its sink failed every request, by cause"
     );
+    describe_counter!(
+        HELD,
+        "Ordered QStash deliveries held until QStash's callback says what the destination answered"
+    );
+    describe_counter!(CALLBACKS, "QStash delivery callbacks taken, by outcome");
     describe_counter!(
         MARKS_FAILED,
         "Outcomes the database refused to store; the rows are delivered again"

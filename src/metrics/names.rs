@@ -14,6 +14,8 @@ pub const METRIC_NAMES: &[&str] = &[
     EVENTS_DEFERRED_TOTAL,
     ROUTE_PAUSES_TOTAL,
     MARKS_FAILED_TOTAL,
+    EVENTS_HELD_TOTAL,
+    CALLBACKS_TOTAL,
     BACKLOG,
     OLDEST_PENDING_AGE_SECONDS,
     DEAD_LETTERS,
@@ -57,6 +59,15 @@ pub const ROUTE_PAUSES_TOTAL: &str = "outbox_relay_route_pauses_total";
 /// Counter: outcomes the database refused to store (after isolating them one
 /// by one); the row stays pending and is delivered again.
 pub const MARKS_FAILED_TOTAL: &str = "outbox_relay_marks_failed_total";
+/// Counter, label `route`: ordered QStash deliveries QStash took and the
+/// relay holds (their key waits) until a callback says what the destination
+/// answered.
+pub const EVENTS_HELD_TOTAL: &str = "outbox_relay_events_held_total";
+/// Counter, label `outcome`: QStash delivery callbacks the relay took:
+/// `delivered` (the destination answered 2xx: published), `retrying` (it did
+/// not, and QStash tries again: still held), `failed` (the last attempt
+/// failed: dead-lettered), `stale` (about an attempt the row is no longer on).
+pub const CALLBACKS_TOTAL: &str = "outbox_relay_callbacks_total";
 /// Gauge, label `route`: 1 while the route is paused by its circuit breaker.
 pub const ROUTE_PAUSED: &str = "outbox_relay_route_paused";
 /// Gauge: shards this replica holds a lease on.

@@ -73,6 +73,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../migrations/0007_buckets.sql"),
         also_accepted: &[],
     },
+    Migration {
+        version: 8,
+        name: "held",
+        sql: include_str!("../../migrations/0008_held.sql"),
+        also_accepted: &[],
+    },
 ];
 
 /// Arbitrary, fixed: "outbox-relay migrate" as an advisory lock key.

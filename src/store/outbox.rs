@@ -1,9 +1,19 @@
-//! The outbox's hot path: claims (a batch of due rows leased in one
-//! statement), marks (every outcome of a flush in one multi-row UPDATE),
-//! releases, the drain's progress, and the mark a QStash failure callback asks
+//! The outbox's hot path: claims (a read of due rows in one statement),
+//! marks (every outcome of a flush in one multi-row UPDATE: the one write an
+//! event costs), the drain's progress, and the marks QStash's callbacks ask
 //! for. Why each statement is written the way it is: docs/architecture.md,
 //! "Claims and their indexes".
-
+//!
+//! One write per event. A shard is owned under a fenced lease, so inside it
+//! the owner alone reads and marks rows: a claim only reads (no lease is
+//! written on the row, no row is locked), the claimer keeps what it handed out
+//! in memory ([`crate::actors::inflight`]), and each row is written once, when
+//! its outcome is marked. A crash or a lost shard leaves rows unmarked: the
+//! next owner reads them again and delivers them under the same deduplication
+//! id. The row lease (`locked_until`) is written only to hold a row whose
+//! outcome is not known yet: an ordered QStash delivery waiting for its
+//! callback, so that no owner, this one or the next, sends the key's next
+//! event (or the same one again) before the destination answered.
 use std::collections::HashSet;
 use std::ops::Range;
 use std::time::Duration;
@@ -16,77 +26,65 @@ use super::{Fence, Session, Sql, Store, StoreError};
 use crate::jsonb::{compact_json, parse_headers};
 use outbox_client::row::OutboxRow;
 
-/// Every claim ends the same way: lease the rows chosen by its `claimable`
-/// CTE (`$2` ms) and return them, if the shard (`$3`) is still held under the
-/// fencing token `$token` and its lease has not ended. A replica that lost the
-/// shard claims nothing: the database checks, in the statement itself (the
-/// `fence` InitPlan runs first, so a fenced claim scans nothing). The fence
-/// also names the shard's range of buckets, `[bucket_lo, bucket_hi)`: the
-/// lease row, not the relay, says which rows a shard holds, so a relay that
-/// has not yet seen a reshard cannot claim outside its shard. Literals only:
-/// the SQL stays constant.
-///
-/// The claim commits without waiting for its WAL flush (`synchronous_commit`
-/// off for this transaction only, set by the fence). A lease is a hint: if the
-/// server crashes before the flush, the rows come back unleased with their old
-/// `attempt_count`, the marks of their delivery are refused by the attempt
-/// fence, and they are delivered again under the same deduplication id. Never
-/// lost, and per-key order of first deliveries holds (the next row of a key is
-/// claimable only once the previous one is marked, and a mark waits for its
-/// own flush, which covers every earlier commit). Measured at 5,000 events/s:
-/// p50 5.70 → 4.40 ms, p99 23.2 → 9.3 ms (loadtest/reports/steady-5k).
-macro_rules! claim_statement {
-    ($token:literal, $claimable:literal) => {
+/// Every claim starts the same way: the `fence` CTE finds the shard (`$2`)
+/// still held under the fencing token `$token`, its lease not ended, and
+/// names the shard's range of buckets, `[bucket_lo, bucket_hi)`. A replica
+/// that lost the shard reads nothing: the database checks, in the statement
+/// itself (the fence is an InitPlan that runs first, so a fenced claim scans
+/// nothing), and the lease row, not the relay, says which rows a shard holds,
+/// so a relay that has not yet seen a reshard cannot read outside its shard.
+/// Literals only: the SQL stays constant.
+macro_rules! fence {
+    ($token:literal) => {
         concat!(
-            "WITH RECURSIVE fence AS (
-    SELECT set_config('synchronous_commit', 'off', true), bucket_lo, bucket_hi
-    FROM outbox_relay_shard_leases
-    WHERE shard = $3 AND token = ",
+            "fence AS (
+    SELECT bucket_lo, bucket_hi FROM outbox_relay_shard_leases
+    WHERE shard = $2 AND token = ",
             $token,
             " AND lease_until > now()
-), ",
-            $claimable,
-            "
-UPDATE outbox AS o
-SET locked_until = now() + $2 * interval '1 millisecond',
-    attempt_count = o.attempt_count + 1
-FROM claimable
-WHERE o.id = claimable.id
-  AND EXISTS (SELECT FROM fence)
-RETURNING o.id, o.tenant_id, o.aggregate_type, o.aggregate_id, o.event_type,
-          o.payload::text, o.headers::text, o.idempotency_key, o.partition_key,
-          o.created_at, o.attempt_count, o.available_at, o.bucket"
+)"
         )
     };
 }
 
-/// Claims up to `$1` ready rows of shard `$3` for `$2` ms, after the cursor
-/// `($4, $5, $6)` (bucket, available_at, id), leaving out the types an ordered
-/// route takes (`$7`, LIKE patterns; none when no route is ordered). The scan
-/// walks `outbox_bucket_ready_idx` in its order, from the cursor to the end of
-/// the shard's range: bucket after bucket, each in ready order (a claim whose
-/// order does not match its index sorts the whole backlog). The cursor lets a
-/// claimer in a burst start after the rows it already has in flight instead
-/// of walking past their leases on every claim. `$8`: the shard's token.
+/// What a claim returns of each row (see [`claimed`]).
+macro_rules! claimed_columns {
+    () => {
+        "o.id, o.tenant_id, o.aggregate_type, o.aggregate_id, o.event_type,
+       o.payload::text, o.headers::text, o.idempotency_key, o.partition_key,
+       o.created_at, o.attempt_count, o.available_at, o.bucket,
+       o.accepted_at IS NOT NULL"
+    };
+}
+
+/// Reads up to `$1` ready rows of shard `$2`, after the cursor `($3, $4, $5)`
+/// (bucket, available_at, id), leaving out the types an ordered route takes
+/// (`$6`, LIKE patterns; none when no route is ordered) and rows held for an
+/// outcome (`locked_until`). The scan walks `outbox_bucket_ready_idx` in its
+/// order, from the cursor to the end of the shard's range: bucket after
+/// bucket, each in ready order (a claim whose order does not match its index
+/// sorts the whole backlog). The cursor lets a claimer in a burst start after
+/// the rows it already has in flight instead of reading them again on every
+/// claim. `$7`: the shard's token.
 const CLAIM: Sql = Sql {
-    text: claim_statement!(
-        "$8",
-        "claimable AS (
-    SELECT id FROM outbox
-    WHERE bucket >= (SELECT bucket_lo FROM fence) AND bucket < (SELECT bucket_hi FROM fence)
-      AND published_at IS NULL AND dead_lettered_at IS NULL
-      AND available_at <= now()
-      AND (bucket, available_at, id) > ($4, $5, $6)
-      AND (locked_until IS NULL OR locked_until < now())
-      AND NOT (event_type LIKE ANY ($7))
-    ORDER BY bucket, available_at, id
-    LIMIT $1
-    FOR UPDATE SKIP LOCKED
-)
-"
+    text: concat!(
+        "WITH ",
+        fence!("$7"),
+        "
+SELECT ",
+        claimed_columns!(),
+        "
+FROM outbox AS o
+WHERE o.bucket >= (SELECT bucket_lo FROM fence) AND o.bucket < (SELECT bucket_hi FROM fence)
+  AND o.published_at IS NULL AND o.dead_lettered_at IS NULL
+  AND o.available_at <= now()
+  AND (o.bucket, o.available_at, o.id) > ($3, $4, $5)
+  AND (o.locked_until IS NULL OR o.locked_until < now())
+  AND NOT (o.event_type LIKE ANY ($6))
+ORDER BY o.bucket, o.available_at, o.id
+LIMIT $1"
     ),
     types: &[
-        Type::INT8,
         Type::INT8,
         Type::INT2,
         Type::INT2,
@@ -97,41 +95,42 @@ const CLAIM: Sql = Sql {
     ],
 };
 
-/// Ordered routes: claims up to `$1` key heads of shard `$3` — each key's
-/// oldest undelivered row — whose type goes to an ordered route (`$4`, LIKE
-/// patterns) and which are due and not leased. A key whose head is in flight
-/// or waiting for a retry has nothing claimable: never two of a key in flight,
-/// and a failing event holds its key back.
+/// Ordered routes: reads up to `$1` key heads of shard `$2` — each key's
+/// oldest undelivered row — whose type goes to an ordered route (`$3`, LIKE
+/// patterns) and which are due and not held for an outcome. A key whose head
+/// waits for a retry or for its outcome has nothing to read, so a failing
+/// event holds its key back; a key whose head is in flight here is skipped by
+/// the claimer (it knows what it handed out), so never two of a key in flight.
 ///
 /// The heads are found by skipping from key to key through
 /// `outbox_bucket_key_idx` (a loose index scan over `(bucket, partition_key)`
-/// within the shard's range), starting after the key cursor `($5, $6)` (the
+/// within the shard's range), starting after the key cursor `($4, $5)` (the
 /// bucket and key the previous claim took last) and wrapping around to the
 /// range's first key once the walk passes its last one. The walk is lazy: it
-/// stops as soon as `$1` claimable heads are found, so a claim visits about as
-/// many keys as it returns instead of every key of the shard. Fairness is
+/// stops as soon as `$1` heads are found, so a claim visits about as many
+/// keys as it returns instead of every key of the shard. Fairness is
 /// therefore key round-robin (each key in turn, from the cursor on), not age
 /// order: a due head waits at most one lap of the shard's keys. The two walks
 /// (after the cursor, then up to it) cover every key whatever the cursor is,
 /// so a stale or misplaced cursor costs fairness, never a key.
 ///
-/// Each head is checked and locked through the primary key, one at a time (a
-/// LATERAL subquery with its own `FOR UPDATE SKIP LOCKED`, which the planner
-/// cannot flatten into a hash join; the pending test is written as
-/// `coalesce(..) IS NULL` so no partial index matches it). Right after a bulk
-/// load, before ANALYZE, the planner took the outbox for a tiny table and
-/// hashed the whole pending set through `outbox_ready_idx` on every claim:
-/// 1.1 s per claim with 1,000,000 rows pending, ~520 events/s for the first
-/// minute of a drain (until autoanalyze), for the whole drain without it.
-/// `$7`: the shard's fencing token.
+/// Each head is checked through the primary key, one at a time (a LATERAL
+/// subquery behind `OFFSET 0`, which the planner cannot flatten into a hash
+/// join; the pending test is written as `coalesce(..) IS NULL` so no partial
+/// index matches it). Right after a bulk load, before ANALYZE, the planner
+/// took the outbox for a tiny table and hashed the whole pending set through
+/// `outbox_ready_idx` on every claim: 1.1 s per claim with 1,000,000 rows
+/// pending, ~520 events/s for the first minute of a drain (until
+/// autoanalyze), for the whole drain without it. `$6`: the shard's token.
 pub(super) const CLAIM_HEADS: Sql = Sql {
-    text: claim_statement!(
-        "$7",
-        "after_cursor (bucket, partition_key, id) AS (
+    text: concat!(
+        "WITH RECURSIVE ",
+        fence!("$6"),
+        ", after_cursor (bucket, partition_key, id) AS (
     (SELECT bucket, partition_key, id FROM outbox
      WHERE bucket >= (SELECT bucket_lo FROM fence) AND bucket < (SELECT bucket_hi FROM fence)
        AND published_at IS NULL AND dead_lettered_at IS NULL
-       AND (bucket, partition_key) > ($5, $6)
+       AND (bucket, partition_key) > ($4, $5)
      ORDER BY bucket, partition_key, id
      LIMIT 1)
     UNION ALL
@@ -147,7 +146,7 @@ pub(super) const CLAIM_HEADS: Sql = Sql {
     (SELECT bucket, partition_key, id FROM outbox
      WHERE bucket >= (SELECT bucket_lo FROM fence) AND bucket < (SELECT bucket_hi FROM fence)
        AND published_at IS NULL AND dead_lettered_at IS NULL
-       AND (bucket, partition_key) <= ($5, $6)
+       AND (bucket, partition_key) <= ($4, $5)
      ORDER BY bucket, partition_key, id
      LIMIT 1)
     UNION ALL
@@ -156,28 +155,28 @@ pub(super) const CLAIM_HEADS: Sql = Sql {
         SELECT bucket, partition_key, id FROM outbox
         WHERE published_at IS NULL AND dead_lettered_at IS NULL
           AND (bucket, partition_key) > (prev.bucket, prev.partition_key)
-          AND (bucket, partition_key) <= ($5, $6)
+          AND (bucket, partition_key) <= ($4, $5)
         ORDER BY bucket, partition_key, id
         LIMIT 1) AS next
 ), heads (id) AS (
     SELECT id FROM after_cursor
     UNION ALL
     SELECT id FROM up_to_cursor
-), claimable AS (
-    SELECT head.id FROM heads, LATERAL (
-        SELECT o.id FROM outbox AS o
-        WHERE o.id = heads.id
-          AND coalesce(o.published_at, o.dead_lettered_at) IS NULL
-          AND o.available_at <= now()
-          AND (o.locked_until IS NULL OR o.locked_until < now())
-          AND o.event_type LIKE ANY ($4)
-        FOR UPDATE SKIP LOCKED) AS head
-    LIMIT $1
 )
-"
+SELECT head.* FROM heads, LATERAL (
+    SELECT ",
+        claimed_columns!(),
+        "
+    FROM outbox AS o
+    WHERE o.id = heads.id
+      AND coalesce(o.published_at, o.dead_lettered_at) IS NULL
+      AND o.available_at <= now()
+      AND (o.locked_until IS NULL OR o.locked_until < now())
+      AND o.event_type LIKE ANY ($3)
+    OFFSET 0) AS head
+LIMIT $1"
     ),
     types: &[
-        Type::INT8,
         Type::INT8,
         Type::INT2,
         Type::TEXT_ARRAY,
@@ -187,11 +186,17 @@ pub(super) const CLAIM_HEADS: Sql = Sql {
     ],
 };
 
-/// One statement for every kind of outcome; rows whose lease moved on
-/// (`attempt_count` differs), whose shard is no longer held under the token
-/// they were claimed with (its lease ended, it was taken, or a reshard
-/// replaced it: the row's bucket must lie in that tenure's range), or that
-/// are already final are left alone.
+/// One statement for every kind of outcome, the one write a delivery costs:
+/// published, retry, dead and held (an ordered QStash delivery QStash took,
+/// waiting for the destination's answer) count the attempt; deferred (its
+/// route paused) does not. A release writes nothing (the row was never
+/// written when it was claimed).
+///
+/// Fenced three ways: the row's `attempt_count` must still be the one the
+/// claim read (so a mark written twice, after a lost answer, applies once),
+/// the shard must still be held under the token the row was claimed with
+/// (its lease not ended, not taken, not replaced by a reshard: the row's
+/// bucket must lie in that tenure's range), and the row must not be final.
 /// "Not final" is written `coalesce(…) IS NULL` on purpose: spelled as two
 /// `IS NULL` tests it matches the partial indexes' predicate, and with stale
 /// statistics (right after a bulk load) the generic plan walked the whole
@@ -202,11 +207,12 @@ pub(super) const MARK: Sql = Sql {
     dead_lettered_at = CASE WHEN u.kind = 3 THEN now() ELSE o.dead_lettered_at END,
     available_at     = CASE WHEN u.kind IN (2, 5) THEN now() + u.delay_ms * interval '1 millisecond'
                             ELSE o.available_at END,
-    attempt_count    = CASE WHEN u.kind IN (4, 5) THEN o.attempt_count - 1 ELSE o.attempt_count END,
+    attempt_count    = CASE WHEN u.kind = 5 THEN o.attempt_count ELSE o.attempt_count + 1 END,
     last_error       = CASE WHEN u.kind IN (2, 3, 5) THEN u.error
-                            WHEN u.kind = 1 THEN NULL
+                            WHEN u.kind IN (1, 6) THEN NULL
                             ELSE o.last_error END,
-    locked_until     = NULL
+    locked_until     = CASE WHEN u.kind = 6 THEN now() + u.delay_ms * interval '1 millisecond' END,
+    accepted_at      = CASE WHEN u.kind = 6 THEN now() ELSE o.accepted_at END
 FROM unnest($1::bigint[], $2::int4[], $3::int2[], $4::int8[], $5::text[], $6::int8[])
      AS u(id, attempt, kind, delay_ms, error, token),
      outbox_relay_shard_leases AS l
@@ -279,15 +285,28 @@ pub fn no_key_cursor() -> KeyCursor {
     (i16::MIN, String::new())
 }
 
-/// A claimed row, when it was due, and its bucket.
+/// A claimed row, when it was due, and its bucket. `row.attempt` is the
+/// attempt this delivery will be (one more than the attempts recorded).
 #[derive(Debug, Clone)]
 pub struct Claimed {
     pub row: OutboxRow,
     pub available_at: DateTime<Utc>,
     pub bucket: i16,
+    /// QStash took an earlier attempt and no outcome came back before the
+    /// hold ran out (an ordered QStash route whose callback never arrived).
+    pub held_before: bool,
 }
 
 impl Claimed {
+    /// What fences this row's mark, claimed under `fence`.
+    pub fn held(&self, fence: Fence) -> Held {
+        Held {
+            id: self.row.id,
+            attempt: self.row.attempt - 1,
+            fence,
+        }
+    }
+
     /// The plain claim's cursor just after this row.
     pub fn cursor(&self) -> Cursor {
         (self.bucket, self.available_at, self.row.id)
@@ -298,8 +317,6 @@ impl Claimed {
 #[derive(Debug, Clone, Copy)]
 pub struct ClaimScope<'a> {
     pub fence: Fence,
-    /// How long the rows are leased.
-    pub lease: Duration,
     /// LIKE patterns of the event types an ordered route takes: the plain
     /// claim leaves them out, the key-head claim takes only them.
     pub ordered: &'a [String],
@@ -309,7 +326,8 @@ pub struct ClaimScope<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Held {
     pub id: i64,
-    /// The row's lease (`attempt_count` when claimed).
+    /// The row's `attempt_count` as the claim read it: the mark applies only
+    /// while it is unchanged.
     pub attempt: i32,
     pub fence: Fence,
 }
@@ -323,11 +341,15 @@ pub enum Write<'a> {
     Retry { delay: Duration, error: &'a str },
     /// Final, with the reason.
     Dead { error: &'a str },
-    /// Not attempted: the lease is given back and the attempt not counted.
+    /// Not attempted: nothing to write (the claim wrote nothing); the row is
+    /// read again by the next claim.
     Release,
     /// Not attempted (its route is paused): due again after `delay`, the
     /// attempt not counted.
     Defer { delay: Duration, error: &'a str },
+    /// Taken by QStash for an ordered route; held (no claim reads it) for up
+    /// to `delay` until a callback says what the destination answered.
+    Hold { delay: Duration },
 }
 
 impl Write<'_> {
@@ -337,8 +359,9 @@ impl Write<'_> {
             Write::Published => (1, 0, None),
             Write::Retry { delay, error } => (2, delay.as_millis() as i64, Some(error)),
             Write::Dead { error } => (3, 0, Some(error)),
-            Write::Release => (4, 0, None),
+            Write::Release => unreachable!("a release writes nothing"),
             Write::Defer { delay, error } => (5, delay.as_millis() as i64, Some(error)),
+            Write::Hold { delay } => (6, delay.as_millis() as i64, None),
         }
     }
 }
@@ -380,15 +403,15 @@ pub enum ReportedDead {
 }
 
 impl Session {
-    /// Claims up to `limit` due rows of the scope's shard after `after`, in
-    /// index order, leaving out the types an ordered route takes.
+    /// Reads up to `limit` due rows of the scope's shard after `after`, in
+    /// index order, leaving out the types an ordered route takes. Nothing is
+    /// written: the caller keeps what it handed out.
     pub async fn claim_due(
         &mut self,
         scope: &ClaimScope<'_>,
         after: Cursor,
         limit: i64,
     ) -> Result<Vec<Claimed>, StoreError> {
-        let lease_ms = scope.lease.as_millis() as i64;
         let shard = scope.fence.shard.sql();
         let (after_bucket, after_available, after_id) = after;
         let (conn, statement) = self.prepared(&CLAIM).await?;
@@ -397,7 +420,6 @@ impl Session {
                 &statement,
                 &[
                     &limit,
-                    &lease_ms,
                     &shard,
                     &after_bucket,
                     &after_available,
@@ -410,16 +432,15 @@ impl Session {
         Ok(rows.iter().map(claimed).collect())
     }
 
-    /// Claims up to `limit` key heads of the ordered types, walking the
-    /// shard's keys from after `key_cursor` (wrapping around), and moves the
-    /// cursor on to where the next claim should start.
+    /// Reads up to `limit` key heads of the ordered types, walking the
+    /// shard's keys from after `key_cursor` (wrapping around); where the next
+    /// walk starts is [`next_key_cursor`] of the heads the caller keeps.
     pub async fn claim_heads(
         &mut self,
         scope: &ClaimScope<'_>,
-        key_cursor: &mut KeyCursor,
+        key_cursor: &KeyCursor,
         limit: i64,
     ) -> Result<Vec<Claimed>, StoreError> {
-        let lease_ms = scope.lease.as_millis() as i64;
         let shard = scope.fence.shard.sql();
         let (conn, statement) = self.prepared(&CLAIM_HEADS).await?;
         let rows = conn
@@ -427,7 +448,6 @@ impl Session {
                 &statement,
                 &[
                     &limit,
-                    &lease_ms,
                     &shard,
                     &scope.ordered,
                     &key_cursor.0,
@@ -436,14 +456,7 @@ impl Session {
                 ],
             )
             .await?;
-        let rows: Vec<Claimed> = rows.iter().map(claimed).collect();
-        let walked = rows
-            .iter()
-            .map(|c| (c.bucket, c.row.partition_key.as_str()));
-        if let Some(next) = next_key_cursor((key_cursor.0, &key_cursor.1), walked) {
-            *key_cursor = next;
-        }
-        Ok(rows)
+        Ok(rows.iter().map(claimed).collect())
     }
 
     /// Writes `marks` in one statement. When PostgreSQL refuses the statement
@@ -477,16 +490,6 @@ impl Session {
         written
     }
 
-    /// Gives back the leases of rows that were not delivered; how many the
-    /// database still held under this relay's claim.
-    pub async fn release(&mut self, rows: &[Held]) -> Result<u64, StoreError> {
-        if rows.is_empty() {
-            return Ok(0);
-        }
-        let marks: Vec<(Held, Write)> = rows.iter().map(|h| (*h, Write::Release)).collect();
-        Ok(self.write(&marks).await?.len() as u64)
-    }
-
     async fn write(&mut self, marks: &[(Held, Write<'_>)]) -> Result<HashSet<i64>, StoreError> {
         let n = marks.len();
         let (mut ids, mut attempts, mut kinds, mut delays, mut errors, mut tokens) = (
@@ -497,7 +500,8 @@ impl Session {
             Vec::with_capacity(n),
             Vec::with_capacity(n),
         );
-        for (held, write) in marks {
+        // A release writes nothing: the claim wrote nothing to undo.
+        for (held, write) in marks.iter().filter(|(_, w)| *w != Write::Release) {
             let (kind, delay, error) = write.columns();
             ids.push(held.id);
             attempts.push(held.attempt);
@@ -505,6 +509,9 @@ impl Session {
             delays.push(delay);
             errors.push(error);
             tokens.push(held.fence.token);
+        }
+        if ids.is_empty() {
+            return Ok(HashSet::new());
         }
         let (conn, statement) = self.prepared(&MARK).await?;
         let rows = conn
@@ -580,6 +587,25 @@ pub fn next_key_cursor<'a>(
     cursor: (i16, &str),
     claimed: impl IntoIterator<Item = (i16, &'a str)>,
 ) -> Option<KeyCursor> {
+    next_key(cursor, claimed).map(|(bucket, key)| (bucket, key.to_owned()))
+}
+
+/// The key cursor after `claimed` heads: [`next_key_cursor`] of them, or the
+/// cursor as it was when there are none.
+pub fn key_cursor_after(cursor: &KeyCursor, claimed: &[Claimed]) -> KeyCursor {
+    next_key_cursor(
+        (cursor.0, &cursor.1),
+        claimed
+            .iter()
+            .map(|c| (c.bucket, c.row.partition_key.as_str())),
+    )
+    .unwrap_or_else(|| cursor.clone())
+}
+
+fn next_key<'a>(
+    cursor: (i16, &str),
+    claimed: impl IntoIterator<Item = (i16, &'a str)>,
+) -> Option<(i16, &'a str)> {
     let mut after: Option<(i16, &str)> = None;
     let mut wrapped: Option<(i16, &str)> = None;
     for key in claimed {
@@ -592,9 +618,7 @@ pub fn next_key_cursor<'a>(
             *slot = Some(key);
         }
     }
-    wrapped
-        .or(after)
-        .map(|(bucket, key)| (bucket, key.to_owned()))
+    wrapped.or(after)
 }
 
 fn claimed(r: &tokio_postgres::Row) -> Claimed {
@@ -610,9 +634,10 @@ fn claimed(r: &tokio_postgres::Row) -> Claimed {
             idempotency_key: r.get(7),
             partition_key: r.get(8),
             created_at: r.get::<_, DateTime<Utc>>(9),
-            attempt: r.get(10),
+            attempt: r.get::<_, i32>(10) + 1,
         },
         available_at: r.get(11),
         bucket: r.get(12),
+        held_before: r.get(13),
     }
 }

@@ -82,10 +82,19 @@ const SHARD_COUNT: &str = "SELECT shards FROM outbox_relay_settings";
 
 /// A new layout of shards: one lease row each, over an even split of the
 /// buckets. Every tenure of the old layout ends with it (its token is gone).
-const CLEAR_LEASES: &str = "DELETE FROM outbox_relay_shard_leases";
-const RESHARD_LEASES: &str = "INSERT INTO outbox_relay_shard_leases (shard, bucket_lo, bucket_hi)
-SELECT k, (k * $2::int / $1::int)::smallint, ((k + 1) * $2::int / $1::int)::smallint
+///
+/// While a tenure of the old layout may still run (its lease had not ended),
+/// the new shards are not free either: they belong to `(reshard)` until the
+/// last old lease would have ended, and whoever takes one after that is told
+/// it was not handed over cleanly (so it waits for any old request still in
+/// the air before it claims). `$3`: when the last old lease ends, or NULL.
+const RESHARD_LEASES: &str = "INSERT INTO outbox_relay_shard_leases
+    (shard, bucket_lo, bucket_hi, owner, lease_until)
+SELECT k, (k * $2::int / $1::int)::smallint, ((k + 1) * $2::int / $1::int)::smallint,
+       CASE WHEN $3::timestamptz > now() THEN '(reshard)' END,
+       CASE WHEN $3::timestamptz > now() THEN $3::timestamptz END
 FROM generate_series(0, $1::int - 1) AS k";
+const CLEAR_LEASES: &str = "DELETE FROM outbox_relay_shard_leases RETURNING lease_until";
 
 /// The shard count, locked against a concurrent reshard.
 const LOCK_SHARD_COUNT: &str = "SELECT shards FROM outbox_relay_settings FOR UPDATE";
@@ -298,10 +307,9 @@ impl Store {
     /// Splits the buckets into `n` shards (1–1024); returns the count before.
     /// Only the lease table changes: no outbox row is rewritten, producers are
     /// not held up, and relays may keep running. Their tenures of the old
-    /// layout end at once (renewals and marks under the old tokens are refused;
-    /// rows they had claimed come back when their row leases run out, and a
-    /// key's next event waits for that), and they take their share of the new
-    /// shards on their next round.
+    /// layout end at once (renewals, claims and marks under the old tokens are
+    /// refused), and they take their share of the new shards once the old
+    /// leases would have ended, waiting then for requests still in the air.
     pub async fn reshard(&self, n: u32) -> Result<u32, StoreError> {
         if !(1..=ShardId::MAX_SHARDS).contains(&n) {
             return Err(StoreError::Refused(format!(
@@ -314,8 +322,14 @@ impl Store {
         let before: i32 = tx.query_one(LOCK_SHARD_COUNT, &[]).await?.get(0);
         let (n, buckets) = (n as i32, BUCKETS as i32);
         tx.execute(SET_SHARD_COUNT, &[&n]).await?;
-        tx.execute(CLEAR_LEASES, &[]).await?;
-        tx.execute(RESHARD_LEASES, &[&n, &buckets]).await?;
+        let last_lease: Option<chrono::DateTime<chrono::Utc>> = tx
+            .query(CLEAR_LEASES, &[])
+            .await?
+            .iter()
+            .filter_map(|r| r.get::<_, Option<chrono::DateTime<chrono::Utc>>>(0))
+            .max();
+        tx.execute(RESHARD_LEASES, &[&n, &buckets, &last_lease])
+            .await?;
         tx.commit().await?;
         Ok(before as u32)
     }

@@ -47,7 +47,7 @@ fn config() -> Config {
 
 fn request_building(c: &mut Criterion) {
     let cfg = config();
-    let router = Router::new(&cfg.routes).unwrap();
+    let router = Router::new(&cfg.routes);
     let route = router.route("order.placed").unwrap();
     let sink = QstashSink::new(&cfg.qstash, &cfg.http);
     let rows: Vec<OutboxRow> = (0..100).map(row).collect();
@@ -120,7 +120,7 @@ fn cycle(c: &mut Criterion) {
     });
     let mut cfg = config();
     cfg.database.url = db.url.clone();
-    cfg.qstash.url = sink_url;
+    cfg.qstash.url = sink_url.parse().expect("the sink's URL");
     cfg.relay.poll_interval = Duration::from_millis(20);
     cfg.server.metrics_bind = None;
     let mut g = c.benchmark_group("engine");

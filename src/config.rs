@@ -1,27 +1,40 @@
 //! One configuration tree, loaded once at start from a TOML file and the
-//! environment, validated before anything connects. Every error names its key.
+//! environment, checked before anything connects. Every error names its key.
+//!
+//! Each part owns its section and the types that check its values as they
+//! are read: `[qstash]` is [`crate::sink::qstash::config`], `[http]` is
+//! [`crate::sink::http`], `[[routes]]` is [`crate::routes::config`]. This
+//! module puts them together with the sections that belong to no part
+//! (database, relay, server, janitor), loads them, and checks the rules that
+//! span sections.
 
+use std::fmt;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
 use figment::providers::{Env, Format, Serialized, Toml};
+use figment::value::Value;
 use figment::Figment;
 use serde::{Deserialize, Serialize};
+
+pub use crate::routes::{BodyShape, Ordering, RouteConfig, SinkKind};
+pub use crate::sink::http::HttpConfig;
+pub use crate::sink::qstash::config::{BatchSize, PublishMode, QstashConfig, DEFAULT_QSTASH_URL};
 
 /// Environment prefix for every key: `OUTBOX_RELAY_RELAY__SHARDS=4` sets `relay.shards`.
 pub const ENV_PREFIX: &str = "OUTBOX_RELAY_";
 
-/// The default QStash endpoint (the official SDKs' default region).
-pub const DEFAULT_QSTASH_URL: &str = "https://qstash.upstash.io";
-
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    /// Parsing, an unknown key or a wrong type; figment's message names the key.
+    /// The file cannot be read or parsed.
     #[error("configuration: {0}")]
     Load(String),
     #[error("configuration key `{key}`: {reason}")]
     Invalid { key: String, reason: String },
+    /// More than one source is wrong (a file and an environment variable).
+    #[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+    Several(Vec<ConfigError>),
 }
 
 impl ConfigError {
@@ -30,6 +43,61 @@ impl ConfigError {
             key: key.into(),
             reason: reason.into(),
         }
+    }
+
+    /// What figment reports (a value a section's type refused, a wrong
+    /// type, an unknown key), named the way the checks below name keys.
+    fn from_figment(errors: figment::Error) -> Self {
+        let mut all: Vec<ConfigError> = errors.into_iter().map(Self::from_one).collect();
+        if all.len() == 1 {
+            all.remove(0)
+        } else {
+            ConfigError::Several(all)
+        }
+    }
+
+    fn from_one(e: figment::Error) -> Self {
+        if e.path.is_empty() {
+            return ConfigError::Load(e.to_string());
+        }
+        let mut path = e.path.clone();
+        let mut reason = e.kind.to_string();
+        if let figment::error::Kind::MissingField(field) = &e.kind {
+            path.push(field.to_string());
+            reason = "must be set".to_owned();
+        }
+        if let Some(origin) = origin(&e) {
+            reason = format!("{reason} (in {origin})");
+        }
+        ConfigError::invalid(key_of(&path), reason)
+    }
+}
+
+/// `["routes", "0", "destination"]` → `routes[0].destination`.
+fn key_of(path: &[String]) -> String {
+    let mut key = String::new();
+    for part in path {
+        if !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit()) {
+            key.push_str(&format!("[{part}]"));
+        } else {
+            if !key.is_empty() {
+                key.push('.');
+            }
+            key.push_str(part);
+        }
+    }
+    key
+}
+
+/// Where a refused value came from: the file or the `OUTBOX_RELAY_…`
+/// variables. The defaults and the well-known variables are merged here in
+/// code, so figment knows only a line of this file for them: not worth saying.
+fn origin(e: &figment::Error) -> Option<String> {
+    let md = e.metadata.as_ref()?;
+    match &md.source {
+        Some(figment::Source::Code(_)) => None,
+        Some(source) => Some(format!("{} {source}", md.name)),
+        None => Some(md.name.to_string()),
     }
 }
 
@@ -45,7 +113,7 @@ pub struct Config {
     pub routes: Vec<RouteConfig>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct DatabaseConfig {
     /// A libpq-style URL; `sslmode=require` (or `verify-full`) connects over TLS.
@@ -55,6 +123,17 @@ pub struct DatabaseConfig {
     pub pool_size: u32,
     #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
+}
+
+/// The URL prints with its password hidden.
+impl fmt::Debug for DatabaseConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DatabaseConfig")
+            .field("url", &crate::redact::database_url(&self.url))
+            .field("pool_size", &self.pool_size)
+            .field("connect_timeout", &self.connect_timeout)
+            .finish()
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -107,46 +186,6 @@ pub struct RelayConfig {
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
-pub struct QstashConfig {
-    /// `QSTASH_URL` overrides it.
-    pub url: String,
-    /// `QSTASH_TOKEN` overrides it. Never logged.
-    pub token: String,
-    /// Used by the failure-callback endpoint. `QSTASH_CURRENT_SIGNING_KEY`.
-    pub current_signing_key: String,
-    /// `QSTASH_NEXT_SIGNING_KEY`.
-    pub next_signing_key: String,
-    /// `batch` sends many events per `POST /v2/batch`; `single` one `POST /v2/publish` each.
-    pub mode: PublishMode,
-    /// Messages per `/v2/batch` request.
-    pub batch_size: u32,
-}
-
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum PublishMode {
-    Batch,
-    Single,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct HttpConfig {
-    #[serde(with = "humantime_serde")]
-    pub connect_timeout: Duration,
-    /// The whole exchange: request, response headers and body.
-    #[serde(with = "humantime_serde")]
-    pub request_timeout: Duration,
-    /// Response bodies longer than this are cut (they only feed `last_error`).
-    pub max_response_bytes: usize,
-    /// A request body over this size is dead-lettered without sending (QStash's
-    /// message limit on the smallest plan is 1 MB).
-    pub max_message_bytes: usize,
-    pub pool_idle_timeout_secs: u64,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
 pub struct ServerConfig {
     /// `/metrics`, `/healthz`, `/readyz`: keep it on a private address.
     pub metrics_bind: Option<SocketAddr>,
@@ -186,73 +225,6 @@ pub struct JanitorConfig {
     pub batch: u32,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct RouteConfig {
-    /// `order.placed` (exact), `order.*` (prefix), or `*` (everything).
-    pub event_type: String,
-    #[serde(default)]
-    pub sink: SinkKind,
-    /// URL template: `{event_type}`, `{aggregate_type}`, `{aggregate_id}`,
-    /// `{tenant_id}`, `{partition_key}` are replaced (percent-encoded).
-    pub destination: String,
-    /// QStash `Upstash-Retries` (how often QStash retries delivery).
-    #[serde(default)]
-    pub retries: Option<u32>,
-    #[serde(default)]
-    pub ordering: Ordering,
-    /// Flow-control parallelism sent with ordered events (1 keeps the order).
-    #[serde(default)]
-    pub parallelism: Option<u32>,
-    /// Flow-control rate per period for this route's key.
-    #[serde(default)]
-    pub rate: Option<u32>,
-    #[serde(default, with = "humantime_serde")]
-    pub period: Option<Duration>,
-    #[serde(default)]
-    pub failure_callback: Option<String>,
-    #[serde(default, with = "humantime_serde")]
-    pub delay: Option<Duration>,
-    /// `Upstash-Method` (QStash) or the request method (webhook).
-    #[serde(default = "default_method")]
-    pub method: String,
-    #[serde(default)]
-    pub body: BodyShape,
-    /// `whsec_…` secret for webhook routes (Standard Webhooks signing).
-    #[serde(default)]
-    pub signing_secret: Option<String>,
-}
-
-fn default_method() -> String {
-    "POST".to_owned()
-}
-
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum SinkKind {
-    #[default]
-    Qstash,
-    Webhook,
-}
-
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum Ordering {
-    #[default]
-    None,
-    PartitionKey,
-}
-
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum BodyShape {
-    /// `{id, type, aggregateType, aggregateId, tenantId, partitionKey, payload, createdAt}`
-    #[default]
-    Envelope,
-    /// The row's `payload` alone.
-    Payload,
-}
-
 impl Default for DatabaseConfig {
     fn default() -> Self {
         DatabaseConfig {
@@ -282,31 +254,6 @@ impl Default for RelayConfig {
             restart_window: Duration::from_secs(60),
             replica_id: String::new(),
             shard_lease: Duration::from_secs(10),
-        }
-    }
-}
-
-impl Default for QstashConfig {
-    fn default() -> Self {
-        QstashConfig {
-            url: DEFAULT_QSTASH_URL.to_owned(),
-            token: String::new(),
-            current_signing_key: String::new(),
-            next_signing_key: String::new(),
-            mode: PublishMode::Batch,
-            batch_size: 100,
-        }
-    }
-}
-
-impl Default for HttpConfig {
-    fn default() -> Self {
-        HttpConfig {
-            connect_timeout: Duration::from_secs(5),
-            request_timeout: Duration::from_secs(15),
-            max_response_bytes: 64 * 1024,
-            max_message_bytes: 1024 * 1024,
-            pool_idle_timeout_secs: 30,
         }
     }
 }
@@ -376,9 +323,12 @@ const WELL_KNOWN_ENV: &[(&str, &str)] = &[
     ("QSTASH_NEXT_SIGNING_KEY", "qstash.next_signing_key"),
 ];
 
+/// The keys of a route in which `${NAME}` is an environment variable.
+const ROUTE_KEYS_WITH_ENV: &[&str] = &["destination", "failure_callback"];
+
 impl Config {
     /// Defaults, then the file (if any), then `OUTBOX_RELAY_…`, then the
-    /// well-known variables; validated.
+    /// well-known variables; checked.
     pub fn load(path: Option<&Path>) -> Result<Config, ConfigError> {
         let mut figment = Figment::from(Serialized::defaults(Config::default()));
         if let Some(path) = path {
@@ -414,46 +364,13 @@ impl Config {
                 }
             }
         }
-        let mut config: Config = figment.extract().map_err(|e| {
-            // figment can report several errors; name each with its key.
-            ConfigError::Load(
-                e.into_iter()
-                    .map(|e| e.to_string())
-                    .collect::<Vec<_>>()
-                    .join("; "),
-            )
-        })?;
-        config.resolve()?;
+        // Each section's types parse and check its values here, so what
+        // comes out is usable; what spans sections is checked after.
+        let config: Config = expand_route_env(figment)?
+            .extract()
+            .map_err(ConfigError::from_figment)?;
         config.validate()?;
         Ok(config)
-    }
-
-    /// What the file and environment say, made usable: secrets trimmed of
-    /// the white space a file or a Kubernetes secret leaves around them
-    /// (a token ending in a newline would be sent as a bare `Bearer`), and
-    /// `${VAR}` in route URLs replaced by the environment variable's value.
-    fn resolve(&mut self) -> Result<(), ConfigError> {
-        for secret in [
-            &mut self.qstash.token,
-            &mut self.qstash.current_signing_key,
-            &mut self.qstash.next_signing_key,
-        ] {
-            let trimmed = secret.trim();
-            if trimmed.len() != secret.len() {
-                *secret = trimmed.to_owned();
-            }
-        }
-        for (i, route) in self.routes.iter_mut().enumerate() {
-            if let Some(s) = &mut route.signing_secret {
-                *s = s.trim().to_owned();
-            }
-            route.destination =
-                expand_env(&route.destination, &format!("routes[{i}].destination"))?;
-            if let Some(cb) = &mut route.failure_callback {
-                *cb = expand_env(cb, &format!("routes[{i}].failure_callback"))?;
-            }
-        }
-        Ok(())
     }
 
     /// Checks what running the relay needs beyond [`Config::validate`]: at
@@ -473,7 +390,9 @@ impl Config {
         Ok(())
     }
 
-    /// Checks that no parser can: ranges, relations between keys, routes.
+    /// Checks that no single value's type can: the ranges of the sections
+    /// this module owns, the rules between keys, within a route and across
+    /// sections.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let r = &self.relay;
         if self.database.pool_size == 0 {
@@ -553,29 +472,6 @@ impl Config {
                 ),
             ));
         }
-        if self.http.request_timeout.is_zero() {
-            return Err(ConfigError::invalid(
-                "http.request_timeout",
-                "must be more than zero",
-            ));
-        }
-        for (key, value) in [
-            ("qstash.token", &self.qstash.token),
-            (
-                "qstash.current_signing_key",
-                &self.qstash.current_signing_key,
-            ),
-            ("qstash.next_signing_key", &self.qstash.next_signing_key),
-        ] {
-            check_secret(key, value)?;
-        }
-        if self.qstash.batch_size == 0 || self.qstash.batch_size > 1000 {
-            return Err(ConfigError::invalid(
-                "qstash.batch_size",
-                "must be between 1 and 1000",
-            ));
-        }
-        parse_http_url(&self.qstash.url).map_err(|e| ConfigError::invalid("qstash.url", e))?;
         if self.server.callback_bind.is_some() && self.qstash.current_signing_key.is_empty() {
             return Err(ConfigError::invalid(
                 "qstash.current_signing_key",
@@ -597,7 +493,9 @@ impl Config {
         }
         self.janitor.validate()?;
         for (i, route) in self.routes.iter().enumerate() {
-            route.validate(&format!("routes[{i}]"))?;
+            route
+                .validate()
+                .map_err(|e| ConfigError::invalid(format!("routes[{i}].{}", e.key), e.reason))?;
             if route.sink == SinkKind::Qstash && self.qstash.token.is_empty() {
                 return Err(ConfigError::invalid(
                     "qstash.token",
@@ -616,110 +514,47 @@ impl Config {
             .iter()
             .any(|r| r.ordering == Ordering::PartitionKey)
     }
+
+    /// A copy fit to print or log. Secrets, URLs and destinations print
+    /// without their credentials by themselves (`Serialize`, `Debug`); this
+    /// hides the database password (URL or keyword form) too.
+    pub fn redacted(&self) -> Config {
+        let mut c = self.clone();
+        c.database.url = crate::redact::database_url(&c.database.url);
+        c
+    }
 }
 
-impl RouteConfig {
-    fn validate(&self, at: &str) -> Result<(), ConfigError> {
-        let p = &self.event_type;
-        let pattern_ok = !p.is_empty()
-            && (!p.contains('*') || p == "*" || (p.ends_with(".*") && p.matches('*').count() == 1));
-        if !pattern_ok {
-            return Err(ConfigError::invalid(
-                format!("{at}.event_type"),
-                format!("`{p}` is not `exact.type`, `prefix.*` or `*`"),
-            ));
-        }
-        if self.destination.is_empty() {
-            return Err(ConfigError::invalid(
-                format!("{at}.destination"),
-                "must not be empty",
-            ));
-        }
-        crate::routes::check_template(&self.destination).map_err(|e| {
-            ConfigError::invalid(
-                format!("{at}.destination"),
-                crate::redact::url_in(&e, &self.destination),
-            )
-        })?;
-        if self.sink == SinkKind::Webhook {
-            match &self.signing_secret {
-                Some(s) if s.starts_with("whsec_") => {
-                    outbox_client::signing::decode_secret(s).map_err(|e| {
-                        ConfigError::invalid(format!("{at}.signing_secret"), e.to_string())
-                    })?;
-                }
-                Some(_) => {
-                    return Err(ConfigError::invalid(
-                        format!("{at}.signing_secret"),
-                        "must start with `whsec_`",
-                    ))
-                }
-                None => {
-                    return Err(ConfigError::invalid(
-                        format!("{at}.signing_secret"),
-                        "is required for webhook routes",
-                    ))
+/// `${NAME}` (or `$NAME`) in a route's URLs replaced by the environment
+/// variable's value, in the layered values before the routes are parsed (so
+/// the URL types check what will be used); `$$` is a literal `$`.
+fn expand_route_env(figment: Figment) -> Result<Figment, ConfigError> {
+    let Ok(Value::Array(tag, mut routes)) = figment.find_value("routes") else {
+        // None, or not a list: extracting says what is wrong.
+        return Ok(figment);
+    };
+    let mut expanded = false;
+    for (i, route) in routes.iter_mut().enumerate() {
+        let Value::Dict(_, keys) = route else {
+            continue;
+        };
+        for key in ROUTE_KEYS_WITH_ENV {
+            if let Some(Value::String(_, s)) = keys.get_mut(*key) {
+                if s.contains('$') {
+                    *s = expand_env(s, &format!("routes[{i}].{key}"))?;
+                    expanded = true;
                 }
             }
         }
-        if let Some(0) = self.parallelism {
-            return Err(ConfigError::invalid(
-                format!("{at}.parallelism"),
-                "must be at least 1",
-            ));
-        }
-        if self.period.is_some() && self.rate.is_none() {
-            return Err(ConfigError::invalid(format!("{at}.period"), "needs `rate`"));
-        }
-        if http::Method::from_bytes(self.method.as_bytes()).is_err() {
-            return Err(ConfigError::invalid(
-                format!("{at}.method"),
-                format!("`{}` is not an HTTP method", self.method),
-            ));
-        }
-        if let Some(cb) = &self.failure_callback {
-            parse_http_url(cb)
-                .map_err(|e| ConfigError::invalid(format!("{at}.failure_callback"), e))?;
-        }
-        Ok(())
     }
-
-    /// Does this route take events of `event_type`?
-    pub fn matches(&self, event_type: &str) -> bool {
-        match self.event_type.as_str() {
-            "*" => true,
-            p if p.ends_with(".*") => event_type.starts_with(&p[..p.len() - 1]),
-            p => p == event_type,
-        }
-    }
+    Ok(if expanded {
+        figment.merge(Serialized::default("routes", Value::Array(tag, routes)))
+    } else {
+        figment
+    })
 }
 
-/// A secret is sent in a header: only visible ASCII (no inner white space,
-/// no control characters) can be.
-fn check_secret(key: &str, value: &str) -> Result<(), ConfigError> {
-    match value.chars().position(|c| !c.is_ascii_graphic()) {
-        None => Ok(()),
-        Some(at) => Err(ConfigError::invalid(
-            key,
-            format!(
-                "has {} at character {at}; a secret must be printable ASCII without spaces \
-                 (was it read from a file with more than one line?)",
-                match value.chars().nth(at) {
-                    Some(c) if c.is_control() => format!("a control character ({:?})", c),
-                    Some(c) if c.is_whitespace() => "white space".to_owned(),
-                    _ => "a non-ASCII character".to_owned(),
-                }
-            ),
-        )),
-    }
-}
-
-/// `${NAME}` (or `$NAME`) replaced by the environment variable's value;
-/// `$$` is a literal `$`.
 fn expand_env(s: &str, key: &str) -> Result<String, ConfigError> {
-    if !s.contains('$') {
-        return Ok(s.to_owned());
-    }
     shellexpand::env(s).map(|c| c.into_owned()).map_err(|e| {
         ConfigError::invalid(
             key,
@@ -731,49 +566,8 @@ fn expand_env(s: &str, key: &str) -> Result<String, ConfigError> {
     })
 }
 
-/// Errors name the URL with its credentials hidden.
-fn parse_http_url(s: &str) -> Result<http::Uri, String> {
-    let shown = crate::redact::url(s);
-    let uri: http::Uri = s
-        .parse()
-        .map_err(|e| format!("`{shown}` is not a URL: {e}"))?;
-    match uri.scheme_str() {
-        Some("http") | Some("https") => Ok(uri),
-        _ => Err(format!("`{shown}` must start with http:// or https://")),
-    }
-}
-
-use crate::redact::REDACTED;
-
-impl Config {
-    /// A copy fit to print or log: tokens, keys, secrets, and the credentials
-    /// in the database URL (URL or keyword form) and in every HTTP URL hidden.
-    pub fn redacted(&self) -> Config {
-        let mut c = self.clone();
-        for secret in [
-            &mut c.qstash.token,
-            &mut c.qstash.current_signing_key,
-            &mut c.qstash.next_signing_key,
-        ] {
-            if !secret.is_empty() {
-                *secret = REDACTED.to_owned();
-            }
-        }
-        for route in &mut c.routes {
-            if route.signing_secret.is_some() {
-                route.signing_secret = Some(REDACTED.to_owned());
-            }
-            route.destination = crate::redact::url(&route.destination);
-            route.failure_callback = route.failure_callback.as_deref().map(crate::redact::url);
-        }
-        c.qstash.url = crate::redact::url(&c.qstash.url);
-        c.database.url = crate::redact::database_url(&c.database.url);
-        c
-    }
-}
-
 #[cfg(test)]
-mod resolve_tests {
+mod tests {
     use super::*;
 
     fn with_token(token: &str) -> Result<Config, ConfigError> {
@@ -790,7 +584,7 @@ mod resolve_tests {
     #[test]
     fn a_token_read_from_a_file_is_trimmed() {
         let c = with_token("  secret-token\n").unwrap();
-        assert_eq!(c.qstash.token, "secret-token");
+        assert_eq!(c.qstash.token.expose(), "secret-token");
         // And it is sent whole, not as a bare `Bearer`.
         let sink = crate::sink::qstash::QstashSink::new(&c.qstash, &c.http);
         let request = sink.batch_request(&[]);
@@ -804,7 +598,10 @@ mod resolve_tests {
     fn a_token_with_an_inner_control_character_stops_the_relay_naming_the_key() {
         for bad in ["first\nsecond", "tab\there", "nul\0", "späce", "two words"] {
             let e = with_token(bad).unwrap_err().to_string();
-            assert!(e.contains("qstash.token"), "{bad:?}: {e}");
+            assert!(
+                e.contains("configuration key `qstash.token`"),
+                "{bad:?}: {e}"
+            );
             assert!(!e.contains(bad), "the error must not print the secret: {e}");
         }
     }
@@ -820,13 +617,18 @@ mod resolve_tests {
     #[test]
     fn route_urls_take_environment_variables() {
         std::env::set_var("OUTBOXTEST_DEST_Q7", "https://hooks.example.com/in");
+        std::env::set_var("OUTBOXTEST_CB_Q7", "https://relay.example.com");
         let c = Config::from_toml_str(
-            "[qstash]\ntoken = \"t\"\n[[routes]]\nevent_type = \"*\"\ndestination = \"${OUTBOXTEST_DEST_Q7}/{event_type}\"\n",
+            "[qstash]\ntoken = \"t\"\n[[routes]]\nevent_type = \"*\"\ndestination = \"${OUTBOXTEST_DEST_Q7}/{event_type}\"\nfailure_callback = \"$OUTBOXTEST_CB_Q7/qstash/failure\"\n",
         )
         .unwrap();
         assert_eq!(
-            c.routes[0].destination,
+            c.routes[0].destination.as_str(),
             "https://hooks.example.com/in/{event_type}"
+        );
+        assert_eq!(
+            c.routes[0].failure_callback.as_ref().unwrap().as_str(),
+            "https://relay.example.com/qstash/failure"
         );
         let e = Config::from_toml_str(
             "[qstash]\ntoken = \"t\"\n[[routes]]\nevent_type = \"*\"\ndestination = \"${OUTBOXTEST_UNSET_Q7}\"\n",
@@ -835,5 +637,117 @@ mod resolve_tests {
         .to_string();
         assert!(e.contains("routes[0].destination"), "{e}");
         assert!(e.contains("OUTBOXTEST_UNSET_Q7"), "{e}");
+        // What the variable holds is checked like a value written in the file.
+        std::env::set_var("OUTBOXTEST_FTP_Q7", "ftp://files.example.com");
+        let e = Config::from_toml_str(
+            "[qstash]\ntoken = \"t\"\n[[routes]]\nevent_type = \"*\"\ndestination = \"https://a.example.com/\"\nfailure_callback = \"${OUTBOXTEST_FTP_Q7}/x\"\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("configuration key `routes[0].failure_callback`: `ftp://files.example.com/x` must start with http:// or https://"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn values_refused_as_they_are_read_name_their_key_like_the_checks_do() {
+        let route = "[[routes]]\nevent_type = \"*\"\ndestination = \"https://a.example.com/\"\n";
+        for (toml, want) in [
+            (
+                "[qstash]\nbatch_size = 0\n".to_owned(),
+                "configuration key `qstash.batch_size`: must be between 1 and 1000",
+            ),
+            (
+                "[qstash]\nurl = \"qstash.example.com\"\n".to_owned(),
+                "configuration key `qstash.url`: `qstash.example.com` must start with http:// or https://",
+            ),
+            (
+                "[http]\nrequest_timeout = \"0s\"\n".to_owned(),
+                "configuration key `http.request_timeout`: must be more than zero",
+            ),
+            (
+                format!("[qstash]\ntoken = \"t\"\n{route}{route}parallelism = 0\n"),
+                "configuration key `routes[1].parallelism`: must be at least 1",
+            ),
+            (
+                format!("{route}method = \"GET POST\"\n"),
+                "configuration key `routes[0].method`: `GET POST` is not an HTTP method",
+            ),
+            (
+                format!("{route}sink = \"webhook\"\nsigning_secret = \"whsec_***\"\n"),
+                "configuration key `routes[0].signing_secret`: the part after `whsec_` is not base64",
+            ),
+            (
+                format!("{route}sink = \"webhook\"\nsigning_secret = \"MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\n"),
+                "configuration key `routes[0].signing_secret`: must start with `whsec_`",
+            ),
+            (
+                "[[routes]]\nevent_type = \"*\"\n".to_owned(),
+                "configuration key `routes[0].destination`: must be set",
+            ),
+            (
+                "[[routes]]\nevent_type = \"*\"\ndestination = \"\"\n".to_owned(),
+                "configuration key `routes[0].destination`: must not be empty",
+            ),
+            (
+                format!("[qstash]\ntoken = \"t\"\n{route}period = \"1s\"\n"),
+                "configuration key `routes[0].period`: needs `rate`",
+            ),
+        ] {
+            let e = Config::from_toml_str(&toml).expect_err(&toml).to_string();
+            assert!(e.contains(want), "{toml:?}:\n{e}\nwanted: {want}");
+        }
+        // A wrong type says where the value was written.
+        let e = Config::from_toml_str("[relay]\nshards = \"two\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("configuration key `relay.shards`: invalid type")
+                && e.contains("TOML source string"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_webhook_route_signs_with_the_key_of_its_secret() {
+        let c = Config::from_toml_str(
+            "[[routes]]\nevent_type = \"*\"\nsink = \"webhook\"\ndestination = \"https://a.example.com/\"\nsigning_secret = \" whsec_AQID\\n\"\n",
+        )
+        .unwrap();
+        let secret = c.routes[0].signing_secret.as_ref().unwrap();
+        assert_eq!(secret.key(), [1, 2, 3]);
+        // An empty secret is none, as it was before it was set.
+        let c = Config::from_toml_str(
+            "[qstash]\ntoken = \"t\"\n[[routes]]\nevent_type = \"*\"\ndestination = \"https://a.example.com/\"\nsigning_secret = \"\"\n",
+        )
+        .unwrap();
+        assert!(c.routes[0].signing_secret.is_none());
+    }
+
+    #[test]
+    fn neither_debug_nor_serialize_prints_a_secret() {
+        const MARK: &str = "Leak";
+        let c = Config::from_toml_str(&format!(
+            "[database]\nurl = \"postgres://app:db-{MARK}@db.example.com/app\"\n\
+             [qstash]\nurl = \"https://u:qs-{MARK}@qstash.example.com/\"\ntoken = \"tok-{MARK}\"\n\
+             current_signing_key = \"cur-{MARK}\"\nnext_signing_key = \"next-{MARK}\"\n\
+             [[routes]]\nevent_type = \"*\"\nsink = \"webhook\"\n\
+             destination = \"https://u:dest-{MARK}@hooks.example.com/{{event_type}}?token=t-{MARK}\"\n\
+             failure_callback = \"https://cb-{MARK}@cb.example.com/\"\n\
+             signing_secret = \"whsec_TGVha0xlYWtMZWFr\"\n"
+        ))
+        .unwrap();
+        let debug = format!("{c:?}");
+        let json = serde_json::to_string(&c.redacted()).unwrap();
+        for shown in [&debug, &json] {
+            assert!(!shown.contains(MARK), "{shown}");
+            assert!(!shown.contains("TGVha0xlYWtMZWFr"), "{shown}");
+            assert!(shown.contains("<redacted>"), "{shown}");
+            assert!(shown.contains("hooks.example.com"), "{shown}");
+        }
+        // Unset secrets print as unset.
+        let json = serde_json::to_value(Config::default()).unwrap();
+        assert_eq!(json["qstash"]["token"], "");
     }
 }

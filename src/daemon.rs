@@ -36,7 +36,7 @@ fn callback_options(config: &Config) -> CallbackOptions {
     let mut urls: Vec<&str> = config
         .routes
         .iter()
-        .filter_map(|r| r.failure_callback.as_deref())
+        .filter_map(|r| r.failure_callback.as_ref().map(|url| url.as_str()))
         .collect();
     urls.sort_unstable();
     urls.dedup();
@@ -85,8 +85,8 @@ pub async fn run_until_signal(config: Config) -> anyhow::Result<()> {
     }
     if let Some(addr) = config.server.callback_bind {
         let verifier = Verifier::new(
-            &config.qstash.current_signing_key,
-            Some(config.qstash.next_signing_key.as_str()).filter(|k| !k.is_empty()),
+            config.qstash.current_signing_key.expose(),
+            Some(config.qstash.next_signing_key.expose()).filter(|k| !k.is_empty()),
         )
         .with_tolerance(config.server.signature_tolerance);
         let mut rx = stop_rx.clone();

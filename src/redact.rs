@@ -1,9 +1,14 @@
 //! Hides credentials in what the relay prints: passwords in URLs
 //! (`user:secret@`), secret-looking query parameters (`?password=`,
 //! `?token=`, `?qstash_token=`, `?sig=` …) and the `password` of a libpq
-//! keyword connection string (`host=… password=…`).
+//! keyword connection string (`host=… password=…`). [`Secret`] and
+//! [`HttpUrl`] are configuration values that print themselves that way.
+
+use std::fmt;
+use std::str::FromStr;
 
 use percent_encoding::percent_decode_str;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 pub const REDACTED: &str = "<redacted>";
 
@@ -158,6 +163,135 @@ fn keyword_dsn(dsn: &str) -> String {
     }
 }
 
+/// A credential from the configuration (a token, a signing key). It is
+/// trimmed of the white space a file or a Kubernetes secret leaves around it
+/// (a token ending in a newline would be sent as a bare `Bearer`), refused
+/// when what is left could not be sent in a header, and never printed:
+/// `Debug` and `Serialize` show `<redacted>`. Empty means not set.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Not set.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The secret itself, for the request that sends it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    fn shown(&self) -> &'static str {
+        if self.is_empty() {
+            ""
+        } else {
+            REDACTED
+        }
+    }
+}
+
+impl FromStr for Secret {
+    type Err = String;
+
+    /// Only visible ASCII (no inner white space, no control characters) can
+    /// be sent in a header. The error says what is wrong and where, never
+    /// what the secret is.
+    fn from_str(value: &str) -> Result<Secret, String> {
+        let value = value.trim();
+        match value.char_indices().find(|(_, c)| !c.is_ascii_graphic()) {
+            None => Ok(Secret(value.to_owned())),
+            Some((byte, c)) => Err(format!(
+                "has {} at character {}; a secret must be printable ASCII without spaces \
+                 (was it read from a file with more than one line?)",
+                if c.is_control() {
+                    format!("a control character ({c:?})")
+                } else if c.is_whitespace() {
+                    "white space".to_owned()
+                } else {
+                    "a non-ASCII character".to_owned()
+                },
+                value[..byte].chars().count()
+            )),
+        }
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self.shown(), f)
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.shown())
+    }
+}
+
+impl<'de> Deserialize<'de> for Secret {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Secret, D::Error> {
+        /// A string, or anything else refused without echoing it (serde's
+        /// own "invalid type" error would print a number or a boolean).
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Text(String),
+            Other(serde::de::IgnoredAny),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Text(s) => s.parse().map_err(serde::de::Error::custom),
+            Raw::Other(_) => Err(serde::de::Error::custom("must be a string")),
+        }
+    }
+}
+
+/// An `http://` or `https://` URL from the configuration, checked when it
+/// is read. It prints (`Debug`, `Serialize`, its errors) with its
+/// credentials hidden, as [`url`] does.
+#[derive(Clone, PartialEq, Eq)]
+pub struct HttpUrl(String);
+
+impl HttpUrl {
+    /// The URL as configured, credentials included: for requests only.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl FromStr for HttpUrl {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<HttpUrl, String> {
+        let uri: http::Uri = s
+            .parse()
+            .map_err(|e| format!("`{}` is not a URL: {e}", url(s)))?;
+        match uri.scheme_str() {
+            Some("http") | Some("https") => Ok(HttpUrl(s.to_owned())),
+            _ => Err(format!("`{}` must start with http:// or https://", url(s))),
+        }
+    }
+}
+
+impl fmt::Debug for HttpUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&url(&self.0), f)
+    }
+}
+
+impl Serialize for HttpUrl {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&url(&self.0))
+    }
+}
+
+impl<'de> Deserialize<'de> for HttpUrl {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<HttpUrl, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -238,5 +372,58 @@ mod tests {
         ] {
             assert_eq!(url(input), want, "{input}");
         }
+    }
+
+    #[test]
+    fn a_secret_is_trimmed_refused_when_it_cannot_be_sent_and_never_printed() {
+        let s = Secret::from_str("  tok-s3cret\n").unwrap();
+        assert_eq!(s.expose(), "tok-s3cret");
+        assert_eq!(format!("{s:?}"), "\"<redacted>\"");
+        assert_eq!(serde_json::to_string(&s).unwrap(), "\"<redacted>\"");
+        let unset = Secret::from_str(" \n").unwrap();
+        assert!(unset.is_empty());
+        assert_eq!(serde_json::to_string(&unset).unwrap(), "\"\"");
+        for (bad, what) in [
+            ("s3c\nret", "a control character ('\\n') at character 3"),
+            ("s3c ret", "white space at character 3"),
+            ("s3crét", "a non-ASCII character at character 4"),
+        ] {
+            let e = Secret::from_str(bad).unwrap_err();
+            assert!(e.contains(what), "{bad:?}: {e}");
+            assert!(!e.contains("s3c"), "{e}");
+        }
+        // Read as a value: a number (the environment's `…_TOKEN=12345`) is
+        // refused without being echoed.
+        use serde::de::IntoDeserializer;
+        let number: serde::de::value::U64Deserializer<serde::de::value::Error> =
+            12345u64.into_deserializer();
+        let e = Secret::deserialize(number).unwrap_err().to_string();
+        assert!(
+            e.contains("must be a string") && !e.contains("12345"),
+            "{e}"
+        );
+        let read: Secret = serde_json::from_str("\" tok\\n\"").unwrap();
+        assert_eq!(read.expose(), "tok");
+    }
+
+    #[test]
+    fn an_http_url_is_http_or_https_and_prints_without_its_credentials() {
+        let u = HttpUrl::from_str("https://u:s3cret@qstash.example.com/?token=s3cret").unwrap();
+        assert_eq!(
+            u.as_str(),
+            "https://u:s3cret@qstash.example.com/?token=s3cret"
+        );
+        for shown in [format!("{u:?}"), serde_json::to_string(&u).unwrap()] {
+            assert!(!shown.contains("s3cret"), "{shown}");
+            assert!(shown.contains("qstash.example.com"), "{shown}");
+        }
+        assert!(HttpUrl::from_str("http://127.0.0.1:8080").is_ok());
+        let e = HttpUrl::from_str("ftp://u:s3cret@files.example.com/").unwrap_err();
+        assert_eq!(
+            e,
+            "`ftp://u:<redacted>@files.example.com/` must start with http:// or https://"
+        );
+        let e = HttpUrl::from_str("https://u:s3cret@bad host/").unwrap_err();
+        assert!(e.contains("is not a URL") && !e.contains("s3cret"), "{e}");
     }
 }

@@ -115,7 +115,7 @@ impl Relay {
             config.database.connect_timeout,
         )?;
         check_schema(&store, &config).await?;
-        let router = Arc::new(Router::new(&config.routes).map_err(RelayError::Config)?);
+        let router = Arc::new(Router::new(&config.routes));
         let r = &config.relay;
         let breakers = Arc::new(Breakers::new(
             router.routes().iter().map(|r| r.name.clone()),
@@ -141,7 +141,7 @@ impl Relay {
                 lease: r.lease,
                 poll_interval: r.poll_interval,
                 ordered: router.ordered_like_patterns().into(),
-                job_rows: config.qstash.batch_size as usize,
+                job_rows: config.qstash.batch_size.get(),
             },
             in_flight: Arc::clone(&in_flight),
             breakers,

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::{config, count, insert_events, pending, wait_until, QSTASH_ROUTE};
-use outbox_relay::config::{Config, PublishMode};
+use outbox_relay::config::{BatchSize, Config, PublishMode};
 use outbox_relay::Relay;
 use outbox_testkit::sink::{RawAnswer, Received, Reply, SinkHandle};
 use outbox_testkit::TestDb;
@@ -253,7 +253,7 @@ async fn a_large_batch_answer_is_read_whole() {
     });
     insert_events(&db, 2_000, 50).await;
     let mut cfg = config(&db, &sink.url(), QSTASH_ROUTE);
-    cfg.qstash.batch_size = 400;
+    cfg.qstash.batch_size = BatchSize::new(400).unwrap();
     cfg.relay.claim_batch = 400;
     let relay = Relay::start(cfg).await.unwrap();
     let drained = wait_until(LIMIT, || async { pending(&db).await == 0 }).await;
@@ -467,7 +467,7 @@ fn a_row_cannot_override_deduplication_flow_control_or_callbacks() {
         "#,
     )
     .unwrap();
-    let router = outbox_relay::routes::Router::new(&cfg.routes).unwrap();
+    let router = outbox_relay::routes::Router::new(&cfg.routes);
     let sink = outbox_relay::sink::qstash::QstashSink::new(&cfg.qstash, &cfg.http);
     let row = row_with_headers(&[
         ("Upstash-Deduplication-Id", "forged"),
@@ -519,7 +519,7 @@ fn a_webhook_row_header_replaces_and_never_forges() {
         "#
     ))
     .unwrap();
-    let router = outbox_relay::routes::Router::new(&cfg.routes).unwrap();
+    let router = outbox_relay::routes::Router::new(&cfg.routes);
     let key = outbox_client::signing::decode_secret(secret).unwrap();
     let row = row_with_headers(&[
         ("Content-Type", "application/cloudevents+json"),

@@ -321,7 +321,7 @@ fn the_documented_example_config_is_valid_and_complete() {
     let example = example.replacen("token = \"\"", "token = \"t\"", 1);
     let parsed = Config::from_toml_str(&example).unwrap();
     assert_eq!(
-        parsed.routes[0].destination,
+        parsed.routes[0].destination.as_str(),
         "https://api.example.com/events/{event_type}"
     );
     // Every default is written out in the example (routes aside, which have none).

@@ -456,8 +456,10 @@ pub fn replica_config_toml(
     // Check it the way the relay will, with the secrets it gets from the environment.
     let mut check: outbox_relay::Config = toml::from_str(&text).map_err(|e| err(&e))?;
     check.database.url = "postgres://check@127.0.0.1/check".into();
-    check.qstash.url = format!("http://127.0.0.1:{sink_port}");
-    check.qstash.token = "check".into();
+    check.qstash.url = format!("http://127.0.0.1:{sink_port}")
+        .parse()
+        .map_err(|e: String| err(&e))?;
+    check.qstash.token = "check".parse().map_err(|e: String| err(&e))?;
     check.validate().map_err(|e| err(&e))?;
     Ok(text)
 }
@@ -513,10 +515,13 @@ mode = "single"
         let text = relay_config_toml(&s, 4321, 4322).unwrap();
         let c: outbox_relay::Config = toml::from_str(&text).unwrap();
         assert_eq!(c.routes.len(), 1);
-        assert_eq!(c.routes[0].destination, "http://127.0.0.1:4321/hook");
-        assert_eq!(c.routes[0].event_type, "*");
+        assert_eq!(
+            c.routes[0].destination.as_str(),
+            "http://127.0.0.1:4321/hook"
+        );
+        assert_eq!(c.routes[0].event_type.to_string(), "*");
         assert_eq!(c.routes[0].ordering, Ordering::PartitionKey);
-        assert_eq!(c.routes[0].parallelism, Some(1));
+        assert_eq!(c.routes[0].parallelism.map(|p| p.get()), Some(1));
         assert_eq!(c.relay.claim_batch, 50);
         assert_eq!(
             c.relay.shards,

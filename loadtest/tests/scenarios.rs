@@ -75,7 +75,7 @@ fn every_shipped_scenario_loads_and_configures_the_relay() {
     assert!(faults.hang_for > relay.http.request_timeout);
     assert!(
         a.oversized_bytes > relay.http.max_response_bytes
-            && a.oversized_bytes > relay.qstash.batch_size as usize * 1024,
+            && a.oversized_bytes > relay.qstash.batch_size.get() * 1024,
         "oversized answers are more than the relay reads"
     );
     let load = adv.load.as_ref().unwrap();

@@ -1,5 +1,6 @@
 //! One keep-alive HTTP client for every publisher: hyper-util's pooled client
 //! over rustls (ring), HTTP/1.1 and HTTP/2, with the timeouts hyper lacks.
+//! Its section of the configuration is `[http]`.
 
 use std::time::{Duration, Instant};
 
@@ -9,8 +10,47 @@ use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
+use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::config::HttpConfig;
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpConfig {
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// The whole exchange: request, response headers and body.
+    #[serde(
+        serialize_with = "humantime_serde::serialize",
+        deserialize_with = "more_than_zero"
+    )]
+    pub request_timeout: Duration,
+    /// Response bodies longer than this are cut (they only feed `last_error`).
+    pub max_response_bytes: usize,
+    /// A request body over this size is dead-lettered without sending (QStash's
+    /// message limit on the smallest plan is 1 MB).
+    pub max_message_bytes: usize,
+    pub pool_idle_timeout_secs: u64,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(15),
+            max_response_bytes: 64 * 1024,
+            max_message_bytes: 1024 * 1024,
+            pool_idle_timeout_secs: 30,
+        }
+    }
+}
+
+/// A request that may take no time at all would never be answered.
+fn more_than_zero<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    let timeout: Duration = humantime_serde::deserialize(d)?;
+    if timeout.is_zero() {
+        return Err(serde::de::Error::custom("must be more than zero"));
+    }
+    Ok(timeout)
+}
 
 pub type HttpsClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
 

@@ -12,8 +12,7 @@ use std::time::{Duration, SystemTime};
 use outbox_client::row::OutboxRow;
 
 use crate::backoff::parse_retry_after;
-use crate::config::{BodyShape, SinkKind};
-use crate::routes::{Route, TemplateValues};
+use crate::routes::{BodyShape, Route, SinkKind, TemplateValues};
 
 pub use self::http::{HttpClient, Response, TransportError};
 
@@ -256,7 +255,7 @@ pub fn body(route: &Route, row: &OutboxRow) -> Vec<u8> {
 /// The route's destination for a row, checked to be a URL.
 pub fn destination(route: &Route, row: &OutboxRow) -> Result<String, Outcome> {
     let tenant = row.tenant_id.hyphenated().to_string();
-    let url = route.destination.render(&TemplateValues {
+    let url = route.config.destination.render(&TemplateValues {
         id: row.id,
         event_type: &row.event_type,
         aggregate_type: &row.aggregate_type,

@@ -1,14 +1,16 @@
 //! The webhook sink: POSTs the event straight to a URL, signed with Standard
 //! Webhooks (<https://www.standardwebhooks.com>, [`outbox_client::signing`])
-//! so the receiver can verify it came from us.
+//! so the receiver can verify it came from us. The key is the route's
+//! `signing_secret` ([`crate::routes::SigningSecret`]), decoded when the
+//! configuration is read.
 
 use bytes::Bytes;
 use futures_util::future::join_all;
 use http::header::{CONTENT_TYPE, USER_AGENT};
-use http::{HeaderName, HeaderValue, Method, Request};
+use http::{HeaderName, HeaderValue, Request};
 use http_body_util::Full;
 use outbox_client::row::OutboxRow;
-use outbox_client::signing::{decode_secret, sign};
+use outbox_client::signing::sign;
 
 use super::http::HttpClient;
 use super::{classify, transport_outcome, DeadReason, Outcome};
@@ -25,22 +27,19 @@ pub async fn deliver(
     let key = route
         .config
         .signing_secret
-        .as_deref()
-        .and_then(|s| decode_secret(s).ok())
+        .as_ref()
+        .map(|s| s.key())
         .unwrap_or_default();
-    join_all(rows.iter().map(|row| {
-        let key = &key;
-        async move {
-            let request = match request(route, row, key, max_message_bytes) {
-                Ok(r) => r,
-                Err(outcome) => return outcome,
-            };
-            let result = client.send(request).await;
-            super::http::record_request("webhook", &result);
-            match result {
-                Ok(response) => classify(&response),
-                Err(e) => transport_outcome(&e),
-            }
+    join_all(rows.iter().map(|row| async move {
+        let request = match request(route, row, key, max_message_bytes) {
+            Ok(r) => r,
+            Err(outcome) => return outcome,
+        };
+        let result = client.send(request).await;
+        super::http::record_request("webhook", &result);
+        match result {
+            Ok(response) => classify(&response),
+            Err(e) => transport_outcome(&e),
         }
     }))
     .await
@@ -65,8 +64,7 @@ pub fn request(
         });
     }
     let timestamp = chrono::Utc::now().timestamp();
-    let method = Method::from_bytes(route.config.method.to_ascii_uppercase().as_bytes())
-        .unwrap_or(Method::POST);
+    let method = route.config.method.method().clone();
     let id = row.id.to_string();
     let mut request = Request::builder().method(method).uri(&url);
     let headers = request.headers_mut().expect("a fresh builder");

@@ -1,7 +1,10 @@
 //! Publishing to QStash with the requests the official SDK sends
 //! (docs/qstash-protocol.md):
 //! `POST /v2/batch` with many messages per request (the throughput path), or
-//! `POST /v2/publish/{destination}` one by one.
+//! `POST /v2/publish/{destination}` one by one. Its section of the
+//! configuration, `[qstash]`, is in [`config`].
+
+pub mod config;
 
 use bytes::Bytes;
 use futures_util::future::join_all;
@@ -11,9 +14,9 @@ use http_body_util::Full;
 use outbox_client::row::OutboxRow;
 use serde::Serialize;
 
-use super::http::HttpClient;
+use self::config::{PublishMode, QstashConfig};
+use super::http::{HttpClient, HttpConfig};
 use super::{classify, transport_outcome, DeadReason, Outcome, RetryReason, MAX_ERROR_CHARS};
-use crate::config::{HttpConfig, PublishMode, QstashConfig};
 use crate::routes::Route;
 
 /// One message as QStash takes it: destination, lower-case headers, body.
@@ -71,14 +74,13 @@ const RELAY_HEADERS: &[&str] = &[
 ];
 
 impl QstashSink {
-    /// `config` is validated: the token is visible ASCII.
     pub fn new(config: &QstashConfig, http: &HttpConfig) -> QstashSink {
-        let mut authorization = HeaderValue::from_str(&format!("Bearer {}", config.token))
-            .expect("qstash.token is validated to be visible ASCII");
+        let mut authorization = HeaderValue::from_str(&format!("Bearer {}", config.token.expose()))
+            .expect("a Secret is visible ASCII");
         authorization.set_sensitive(true);
-        let batch_size = config.batch_size as usize;
+        let batch_size = config.batch_size.get();
         QstashSink {
-            base: config.url.trim_end_matches('/').to_owned(),
+            base: config.url.as_str().trim_end_matches('/').to_owned(),
             authorization,
             mode: config.mode,
             batch_size,
@@ -95,7 +97,7 @@ impl QstashSink {
         let c = &route.config;
         let mut headers: Vec<(String, String)> = Vec::with_capacity(12 + row.headers.len());
         headers.push(("content-type".into(), "application/json".into()));
-        headers.push(("upstash-method".into(), c.method.to_ascii_uppercase()));
+        headers.push(("upstash-method".into(), c.method.as_str().to_owned()));
         headers.push((
             "upstash-deduplication-id".into(),
             row.idempotency_key.clone(),
@@ -107,7 +109,7 @@ impl QstashSink {
             headers.push(("upstash-delay".into(), format!("{}s", delay.as_secs())));
         }
         if let Some(cb) = &c.failure_callback {
-            headers.push(("upstash-failure-callback".into(), cb.clone()));
+            headers.push(("upstash-failure-callback".into(), cb.as_str().to_owned()));
         }
         if let Some((key, value)) = flow_control(route, row) {
             headers.push(("upstash-flow-control-key".into(), key));
@@ -317,9 +319,10 @@ fn flow_control(route: &Route, row: &OutboxRow) -> Option<(String, String)> {
         return None;
     };
     let mut parts = Vec::with_capacity(3);
-    let parallelism = c
-        .parallelism
-        .or(if route.ordered() { Some(1) } else { None });
+    let parallelism =
+        c.parallelism
+            .map(|p| p.get())
+            .or(if route.ordered() { Some(1) } else { None });
     if let Some(p) = parallelism {
         parts.push(format!("parallelism={p}"));
     }

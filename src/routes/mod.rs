@@ -1,9 +1,17 @@
 //! Routes: which sink an event goes to, chosen by its type. The first route
 //! whose pattern matches wins; an event no route matches is dead-lettered.
+//! The `[[routes]]` section of the configuration is in [`config`].
+
+pub mod config;
+
+use std::fmt;
 
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::config::{Ordering, RouteConfig};
+pub use self::config::{
+    BodyShape, EventPattern, HttpMethod, Ordering, RouteConfig, RouteError, SigningSecret, SinkKind,
+};
 
 /// What a value substituted into a URL may keep unescaped (RFC 3986 unreserved).
 const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC
@@ -42,9 +50,12 @@ enum Part {
     Var(Var),
 }
 
-/// A destination URL with `{placeholders}`, parsed once.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A destination URL with `{placeholders}`, parsed when the configuration
+/// is read. It prints (`Debug`, `Serialize`, its errors) with the
+/// credentials in it hidden.
+#[derive(Clone, PartialEq, Eq)]
 pub struct Template {
+    source: String,
     parts: Vec<Part>,
 }
 
@@ -60,6 +71,9 @@ pub struct TemplateValues<'a> {
 
 impl Template {
     pub fn parse(s: &str) -> Result<Template, String> {
+        if s.is_empty() {
+            return Err("must not be empty".to_owned());
+        }
         let mut parts = Vec::new();
         let mut rest = s;
         while let Some(open) = rest.find('{') {
@@ -86,7 +100,15 @@ impl Template {
             Some(Part::Literal(l)) if l.starts_with("http://") || l.starts_with("https://") => {}
             _ => return Err(format!("`{s}` must start with http:// or https://")),
         }
-        Ok(Template { parts })
+        Ok(Template {
+            source: s.to_owned(),
+            parts,
+        })
+    }
+
+    /// The template as configured, credentials included.
+    pub fn as_str(&self) -> &str {
+        &self.source
     }
 
     pub fn render(&self, v: &TemplateValues<'_>) -> String {
@@ -112,9 +134,23 @@ impl Template {
     }
 }
 
-/// Validates a destination template (used by config validation).
-pub fn check_template(s: &str) -> Result<(), String> {
-    Template::parse(s).map(|_| ())
+impl fmt::Debug for Template {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&crate::redact::url(&self.source), f)
+    }
+}
+
+impl Serialize for Template {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&crate::redact::url(&self.source))
+    }
+}
+
+impl<'de> Deserialize<'de> for Template {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Template, D::Error> {
+        let s = String::deserialize(d)?;
+        Template::parse(&s).map_err(|e| serde::de::Error::custom(crate::redact::url_in(&e, &s)))
+    }
 }
 
 /// A route, ready to use.
@@ -124,7 +160,6 @@ pub struct Route {
     pub index: usize,
     pub name: String,
     pub config: RouteConfig,
-    pub destination: Template,
 }
 
 impl Route {
@@ -140,21 +175,17 @@ pub struct Router {
 }
 
 impl Router {
-    pub fn new(configs: &[RouteConfig]) -> Result<Router, String> {
+    pub fn new(configs: &[RouteConfig]) -> Router {
         let routes = configs
             .iter()
             .enumerate()
-            .map(|(index, c)| {
-                Ok(Route {
-                    index,
-                    name: format!("{}#{index}", c.event_type),
-                    config: c.clone(),
-                    destination: Template::parse(&c.destination)
-                        .map_err(|e| format!("routes[{index}].destination: {e}"))?,
-                })
+            .map(|(index, c)| Route {
+                index,
+                name: format!("{}#{index}", c.event_type),
+                config: c.clone(),
             })
-            .collect::<Result<_, String>>()?;
-        Ok(Router { routes })
+            .collect();
+        Router { routes }
     }
 
     /// The first route that takes `event_type`.
@@ -174,10 +205,10 @@ impl Router {
         self.routes
             .iter()
             .filter(|r| r.ordered())
-            .map(|r| match r.config.event_type.as_str() {
-                "*" => "%".to_owned(),
-                p if p.ends_with(".*") => format!("{}%", escape_like(&p[..p.len() - 1])),
-                p => escape_like(p),
+            .map(|r| match &r.config.event_type {
+                EventPattern::All => "%".to_owned(),
+                EventPattern::Prefix(prefix) => format!("{}%", escape_like(prefix)),
+                EventPattern::Exact(exact) => escape_like(exact),
             })
             .collect()
     }
@@ -243,17 +274,61 @@ mod tests {
             event_type = "*"
             destination = "https://a.example/all"
         "#;
-        let cfg: crate::config::Config = figment::Figment::new()
-            .merge(figment::providers::Serialized::defaults(
-                crate::config::Config::default(),
-            ))
-            .merge(<figment::providers::Toml as figment::providers::Format>::string(toml))
-            .extract()
-            .unwrap();
-        let router = Router::new(&cfg.routes).unwrap();
+        let routes: Vec<RouteConfig> = figment::Figment::from(
+            <figment::providers::Toml as figment::providers::Format>::string(toml),
+        )
+        .extract_inner("routes")
+        .unwrap();
+        let router = Router::new(&routes);
         assert_eq!(router.route("order.placed").unwrap().index, 0);
         assert_eq!(router.route("order.shipped").unwrap().index, 1);
         assert_eq!(router.route("user.created").unwrap().index, 2);
         assert_eq!(router.ordered_like_patterns(), vec!["order.%".to_owned()]);
+    }
+
+    #[test]
+    fn event_patterns_are_exact_prefix_or_all() {
+        let p = |s: &str| EventPattern::parse(s);
+        assert_eq!(p("*"), Ok(EventPattern::All));
+        assert_eq!(p("order.*"), Ok(EventPattern::Prefix("order.".into())));
+        assert_eq!(
+            p("order.placed"),
+            Ok(EventPattern::Exact("order.placed".into()))
+        );
+        for bad in ["", "order*", "*.*", "a.*.*", "*.placed", "or*der.*"] {
+            assert_eq!(
+                p(bad),
+                Err(format!("`{bad}` is not `exact.type`, `prefix.*` or `*`")),
+                "{bad:?}"
+            );
+        }
+        let prefix = p("order.*").unwrap();
+        assert!(prefix.matches("order.placed") && !prefix.matches("orders.placed"));
+        assert!(!prefix.matches("order"));
+        assert!(p("a.b").unwrap().matches("a.b") && !p("a.b").unwrap().matches("a.bc"));
+        for s in ["*", "order.*", "order.placed"] {
+            assert_eq!(p(s).unwrap().to_string(), s);
+        }
+    }
+
+    #[test]
+    fn a_method_is_upper_cased_and_must_be_a_token() {
+        assert_eq!(HttpMethod::parse("put").unwrap().as_str(), "PUT");
+        assert_eq!(HttpMethod::default().method(), http::Method::POST);
+        assert_eq!(
+            HttpMethod::parse("GE T"),
+            Err("`GE T` is not an HTTP method".to_owned())
+        );
+    }
+
+    #[test]
+    fn a_template_prints_without_its_credentials() {
+        let t =
+            Template::parse("https://u:s3cret@h.example.com/{event_type}?token=s3cret").unwrap();
+        for shown in [format!("{t:?}"), serde_json::to_string(&t).unwrap()] {
+            assert!(!shown.contains("s3cret"), "{shown}");
+            assert!(shown.contains("h.example.com/{event_type}"), "{shown}");
+        }
+        assert_eq!(Template::parse(""), Err("must not be empty".to_owned()));
     }
 }

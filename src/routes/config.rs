@@ -1,0 +1,264 @@
+//! One `[[routes]]` entry: which events it takes, where and how it sends
+//! them. Each value is parsed as it is read (the event-type pattern, the
+//! destination template, the URLs, the method, the webhook secret), so a
+//! route that exists is usable; [`RouteConfig::validate`] checks the rules
+//! between two of its keys.
+
+use std::fmt;
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::Template;
+use crate::redact::{HttpUrl, Secret, REDACTED};
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    /// `order.placed` (exact), `order.*` (prefix), or `*` (everything).
+    pub event_type: EventPattern,
+    #[serde(default)]
+    pub sink: SinkKind,
+    /// URL template: `{event_type}`, `{aggregate_type}`, `{aggregate_id}`,
+    /// `{tenant_id}`, `{partition_key}` are replaced (percent-encoded).
+    pub destination: Template,
+    /// QStash `Upstash-Retries` (how often QStash retries delivery).
+    #[serde(default)]
+    pub retries: Option<u32>,
+    #[serde(default)]
+    pub ordering: Ordering,
+    /// Flow-control parallelism sent with ordered events (1 keeps the order).
+    #[serde(default, deserialize_with = "at_least_one")]
+    pub parallelism: Option<NonZeroU32>,
+    /// Flow-control rate per period for this route's key.
+    #[serde(default)]
+    pub rate: Option<u32>,
+    #[serde(default, with = "humantime_serde")]
+    pub period: Option<Duration>,
+    #[serde(default)]
+    pub failure_callback: Option<HttpUrl>,
+    #[serde(default, with = "humantime_serde")]
+    pub delay: Option<Duration>,
+    /// `Upstash-Method` (QStash) or the request method (webhook).
+    #[serde(default)]
+    pub method: HttpMethod,
+    #[serde(default)]
+    pub body: BodyShape,
+    /// `whsec_…` secret for webhook routes (Standard Webhooks signing); an
+    /// empty one is not set.
+    #[serde(default, deserialize_with = "optional_signing_secret")]
+    pub signing_secret: Option<SigningSecret>,
+}
+
+/// A rule between two keys of a route that does not hold; `key` is the one
+/// to change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteError {
+    pub key: &'static str,
+    pub reason: &'static str,
+}
+
+impl RouteConfig {
+    /// The rules no single value can break alone.
+    pub fn validate(&self) -> Result<(), RouteError> {
+        if self.sink == SinkKind::Webhook && self.signing_secret.is_none() {
+            return Err(RouteError {
+                key: "signing_secret",
+                reason: "is required for webhook routes",
+            });
+        }
+        if self.period.is_some() && self.rate.is_none() {
+            return Err(RouteError {
+                key: "period",
+                reason: "needs `rate`",
+            });
+        }
+        Ok(())
+    }
+
+    /// Does this route take events of `event_type`?
+    pub fn matches(&self, event_type: &str) -> bool {
+        self.event_type.matches(event_type)
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum SinkKind {
+    #[default]
+    Qstash,
+    Webhook,
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Ordering {
+    #[default]
+    None,
+    PartitionKey,
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum BodyShape {
+    /// `{id, type, aggregateType, aggregateId, tenantId, partitionKey, payload, createdAt}`
+    #[default]
+    Envelope,
+    /// The row's `payload` alone.
+    Payload,
+}
+
+/// The event types a route takes: `*`, a prefix (`order.*` takes every type
+/// that starts with `order.`), or one exact type.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EventPattern {
+    All,
+    /// The prefix with its final `.`: `order.` for `order.*`.
+    Prefix(String),
+    Exact(String),
+}
+
+impl EventPattern {
+    pub fn parse(p: &str) -> Result<EventPattern, String> {
+        if p == "*" {
+            return Ok(EventPattern::All);
+        }
+        if !p.is_empty() && !p.contains('*') {
+            return Ok(EventPattern::Exact(p.to_owned()));
+        }
+        match p.strip_suffix('*') {
+            Some(prefix) if prefix.ends_with('.') && !prefix.contains('*') => {
+                Ok(EventPattern::Prefix(prefix.to_owned()))
+            }
+            _ => Err(format!("`{p}` is not `exact.type`, `prefix.*` or `*`")),
+        }
+    }
+
+    pub fn matches(&self, event_type: &str) -> bool {
+        match self {
+            EventPattern::All => true,
+            EventPattern::Prefix(prefix) => event_type.starts_with(prefix.as_str()),
+            EventPattern::Exact(exact) => exact == event_type,
+        }
+    }
+}
+
+impl fmt::Display for EventPattern {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EventPattern::All => f.write_str("*"),
+            EventPattern::Prefix(prefix) => write!(f, "{prefix}*"),
+            EventPattern::Exact(exact) => f.write_str(exact),
+        }
+    }
+}
+
+impl Serialize for EventPattern {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for EventPattern {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<EventPattern, D::Error> {
+        EventPattern::parse(&String::deserialize(d)?).map_err(serde::de::Error::custom)
+    }
+}
+
+/// A request method, upper-cased (`post` is sent as `POST`); `POST` unless set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpMethod(http::Method);
+
+impl HttpMethod {
+    pub fn parse(s: &str) -> Result<HttpMethod, String> {
+        let not_one = || format!("`{s}` is not an HTTP method");
+        http::Method::from_bytes(s.as_bytes()).map_err(|_| not_one())?;
+        http::Method::from_bytes(s.to_ascii_uppercase().as_bytes())
+            .map(HttpMethod)
+            .map_err(|_| not_one())
+    }
+
+    pub fn method(&self) -> &http::Method {
+        &self.0
+    }
+
+    pub fn as_str(&self) -> &str {
+        self.0.as_str()
+    }
+}
+
+impl Default for HttpMethod {
+    fn default() -> Self {
+        HttpMethod(http::Method::POST)
+    }
+}
+
+impl Serialize for HttpMethod {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for HttpMethod {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<HttpMethod, D::Error> {
+        HttpMethod::parse(&String::deserialize(d)?).map_err(serde::de::Error::custom)
+    }
+}
+
+/// A webhook route's `whsec_…` secret (Standard Webhooks), decoded to its
+/// key when read. It never prints: `Debug` and `Serialize` show `<redacted>`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SigningSecret {
+    key: Vec<u8>,
+}
+
+impl SigningSecret {
+    pub fn new(secret: &Secret) -> Result<SigningSecret, String> {
+        let s = secret.expose();
+        if !s.starts_with(outbox_client::signing::SECRET_PREFIX) {
+            return Err("must start with `whsec_`".to_owned());
+        }
+        outbox_client::signing::decode_secret(s)
+            .map(|key| SigningSecret { key })
+            .map_err(|e| e.to_string())
+    }
+
+    /// The HMAC key the requests are signed with.
+    pub fn key(&self) -> &[u8] {
+        &self.key
+    }
+}
+
+impl fmt::Debug for SigningSecret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(REDACTED, f)
+    }
+}
+
+impl Serialize for SigningSecret {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(REDACTED)
+    }
+}
+
+/// An empty secret (or none) is not set; any other must decode.
+fn optional_signing_secret<'de, D: Deserializer<'de>>(
+    d: D,
+) -> Result<Option<SigningSecret>, D::Error> {
+    match Option::<Secret>::deserialize(d)? {
+        Some(secret) if !secret.is_empty() => SigningSecret::new(&secret)
+            .map(Some)
+            .map_err(serde::de::Error::custom),
+        _ => Ok(None),
+    }
+}
+
+fn at_least_one<'de, D: Deserializer<'de>>(d: D) -> Result<Option<NonZeroU32>, D::Error> {
+    match Option::<u32>::deserialize(d)? {
+        None => Ok(None),
+        Some(n) => NonZeroU32::new(n)
+            .map(Some)
+            .ok_or_else(|| serde::de::Error::custom("must be at least 1")),
+    }
+}

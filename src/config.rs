@@ -189,8 +189,9 @@ pub struct RelayConfig {
 pub struct ServerConfig {
     /// `/metrics`, `/healthz`, `/readyz`: keep it on a private address.
     pub metrics_bind: Option<SocketAddr>,
-    /// QStash's failure callback (`POST /qstash/failure`) must face the internet:
-    /// it gets a listener of its own. Off unless set.
+    /// QStash's callbacks (`POST /qstash/failure`, and `POST /qstash/callback`
+    /// for ordered QStash routes) must face the internet: they get a listener
+    /// of their own. Off unless set.
     pub callback_bind: Option<SocketAddr>,
     /// `/readyz` fails when the oldest pending event is older than this and
     /// nothing was delivered since the last check.
@@ -496,6 +497,14 @@ impl Config {
             route
                 .validate()
                 .map_err(|e| ConfigError::invalid(format!("routes[{i}].{}", e.key), e.reason))?;
+            if route.callback.is_some() && self.server.callback_bind.is_none() {
+                return Err(ConfigError::invalid(
+                    "server.callback_bind",
+                    format!(
+                        "is required because routes[{i}] takes QStash's delivery callbacks (routes[{i}].callback): the relay serves POST /qstash/callback there"
+                    ),
+                ));
+            }
             if route.sink == SinkKind::Qstash && self.qstash.token.is_empty() {
                 return Err(ConfigError::invalid(
                     "qstash.token",
@@ -510,9 +519,7 @@ impl Config {
 
     /// True when at least one route asks for per-key ordering.
     pub fn any_ordered_route(&self) -> bool {
-        self.routes
-            .iter()
-            .any(|r| r.ordering == Ordering::PartitionKey)
+        self.routes.iter().any(|r| r.ordering.per_key())
     }
 
     /// A copy fit to print or log. Secrets, URLs and destinations print

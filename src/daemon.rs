@@ -33,17 +33,26 @@ async fn start(config: &Config) -> Result<Relay, crate::relay::RelayError> {
 /// carries the message and the response in base64, so it may be about three
 /// times `http.max_message_bytes`.
 fn callback_options(config: &Config) -> CallbackOptions {
-    let mut urls: Vec<&str> = config
-        .routes
-        .iter()
-        .filter_map(|r| r.failure_callback.as_ref().map(|url| url.as_str()))
-        .collect();
-    urls.sort_unstable();
-    urls.dedup();
-    if urls.is_empty() {
-        tracing::warn!("server.callback_bind is set but no route names a failure_callback: every report will be refused");
+    let urls = |pick: fn(&crate::routes::RouteConfig) -> Option<&str>| {
+        let mut urls: Vec<String> = config
+            .routes
+            .iter()
+            .filter_map(|r| pick(r).map(str::to_owned))
+            .collect();
+        urls.sort_unstable();
+        urls.dedup();
+        urls
+    };
+    let failure = urls(|r| r.failure_callback.as_ref().map(|u| u.as_str()));
+    let callback = urls(|r| r.callback.as_ref().map(|u| u.as_str()));
+    if failure.is_empty() && callback.is_empty() {
+        tracing::warn!("server.callback_bind is set but no route names a failure_callback or a callback: every report will be refused");
     }
-    let mut options = CallbackOptions::new(urls);
+    let mut options = CallbackOptions::new(failure);
+    options.callback_urls = callback;
+    if let Some(hold) = config.routes.iter().filter_map(|r| r.callback_hold()).max() {
+        options.hold = hold;
+    }
     options.max_body_bytes = options
         .max_body_bytes
         .max(config.http.max_message_bytes.saturating_mul(3));
@@ -101,7 +110,7 @@ pub async fn run_until_signal(config: Config) -> anyhow::Result<()> {
         )
         .await
         .map_err(|e| anyhow::anyhow!("server.callback_bind {addr}: {e}"))?;
-        tracing::info!(%local, "serving POST /qstash/failure");
+        tracing::info!(%local, "serving POST /qstash/failure and /qstash/callback");
     }
     let janitor = tokio::spawn({
         let mut rx = stop_rx.clone();

@@ -462,7 +462,7 @@ fn a_row_cannot_override_deduplication_flow_control_or_callbacks() {
         [[routes]]
         event_type = "*"
         destination = "https://api.example.com/e"
-        ordering = "partition_key"
+        ordering = "partition_key_to_qstash"
         failure_callback = "https://relay.example.com/qstash/failure"
         "#,
     )
@@ -504,6 +504,64 @@ fn a_row_cannot_override_deduplication_flow_control_or_callbacks() {
     assert_eq!(get("content-type"), ["application/cloudevents+json"]);
     assert_eq!(get("upstash-retries"), ["1"]);
     assert_eq!(get("upstash-forward-schema-version"), ["2"]);
+
+    // A route ordered at the destination sends its own callback, whatever the row says.
+    let cfg = Config::from_toml_str(
+        r#"
+        [qstash]
+        token = "t"
+        current_signing_key = "sig_k"
+        [server]
+        callback_bind = "127.0.0.1:0"
+        [[routes]]
+        event_type = "*"
+        destination = "https://api.example.com/e"
+        ordering = "partition_key"
+        callback = "https://relay.example.com/qstash/callback"
+        "#,
+    )
+    .unwrap();
+    let router = outbox_relay::routes::Router::new(&cfg.routes);
+    let message = sink.message(&router.routes()[0], &row).unwrap();
+    let callbacks: Vec<&str> = message
+        .headers
+        .iter()
+        .filter(|(k, _)| k == "upstash-callback")
+        .map(|(_, v)| v.as_str())
+        .collect();
+    assert_eq!(callbacks, ["https://relay.example.com/qstash/callback"]);
+}
+
+#[test]
+fn a_route_taking_callbacks_needs_the_listener_they_come_to() {
+    let e = Config::from_toml_str(
+        r#"
+        [qstash]
+        token = "t"
+        current_signing_key = "sig_k"
+        [[routes]]
+        event_type = "*"
+        destination = "https://api.example.com/e"
+        ordering = "partition_key"
+        callback = "https://relay.example.com/qstash/callback"
+        "#,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("server.callback_bind"), "{e}");
+    let e = Config::from_toml_str(
+        r#"
+        [qstash]
+        token = "t"
+        [[routes]]
+        event_type = "*"
+        destination = "https://api.example.com/e"
+        ordering = "partition_key"
+        "#,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("routes[0].callback"), "{e}");
 }
 
 #[test]

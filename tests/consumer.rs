@@ -1652,3 +1652,141 @@ async fn failure_callback_caps_open_connections() {
     drop(first);
     assert_eq!(response_status(&mut third).await, 401);
 }
+
+const DELIVERY_CALLBACK_URL: &str = "https://relay.example.com/qstash/callback";
+
+/// A row QStash took for an ordered route: held until its callback comes.
+async fn held_row(pool: &outbox_relay::store::Pool, key: &str) -> i64 {
+    let id = published_row(pool, key).await;
+    pool.get()
+        .await
+        .unwrap()
+        .execute(
+            "UPDATE outbox SET published_at = NULL, accepted_at = now(),
+                    locked_until = now() + interval '1 hour' WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    id
+}
+
+/// `(published, dead-lettered, held for more than 30 minutes, last_error)`.
+async fn delivery_state(
+    pool: &outbox_relay::store::Pool,
+    id: i64,
+) -> (bool, bool, bool, Option<String>) {
+    let row = pool
+        .get()
+        .await
+        .unwrap()
+        .query_one(
+            "SELECT published_at IS NOT NULL, dead_lettered_at IS NOT NULL,
+                    coalesce(locked_until > now() + interval '30 minutes', false), last_error
+             FROM outbox WHERE id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    (row.get(0), row.get(1), row.get(2), row.get(3))
+}
+
+async fn callback_report(server: &Server, key: &str, url: &str, report: &[u8]) -> Reply {
+    post(
+        server.addr,
+        "/qstash/callback",
+        &[("upstash-signature", sign_for(key, url, report))],
+        report,
+    )
+    .await
+}
+
+#[tokio::test]
+async fn delivery_callback_is_verified_and_tied_to_the_held_attempt() {
+    let mut options = CallbackOptions::new([CALLBACK_URL]);
+    options.callback_urls = vec![DELIVERY_CALLBACK_URL.to_owned()];
+    options.hold = Duration::from_secs(3600);
+    let (_db, pool, server) = callback_server_with(options).await;
+    let delivered = held_row(&pool, "k-dc-1").await;
+    let ok = report_on(delivered, "k-dc-1", 200);
+
+    // Unsigned, signed by someone else, or signed for the failure callback's
+    // URL (a replayed report meant for the other endpoint): refused, untouched.
+    let unsigned = post(server.addr, "/qstash/callback", &[], &ok).await;
+    assert_eq!(unsigned.status, 401, "{}", unsigned.body);
+    let forged = callback_report(&server, "sig_not_ours", DELIVERY_CALLBACK_URL, &ok).await;
+    assert_eq!(forged.status, 401, "{}", forged.body);
+    let other_url = callback_report(&server, CURRENT, CALLBACK_URL, &ok).await;
+    assert_eq!(other_url.status, 401, "{}", other_url.body);
+    assert_eq!(
+        delivery_state(&pool, delivered).await,
+        (false, false, true, None)
+    );
+    // Not a report, or one that cannot say which attempt it is about: 400.
+    let junk = callback_report(&server, CURRENT, DELIVERY_CALLBACK_URL, b"{\"status\":").await;
+    assert_eq!(junk.status, 400, "{}", junk.body);
+    let unkeyed = serde_json::to_vec(&json!({
+        "status": 200, "sourceHeader": {"X-Outbox-Id": [delivered.to_string()]}
+    }))
+    .unwrap();
+    let reply = callback_report(&server, CURRENT, DELIVERY_CALLBACK_URL, &unkeyed).await;
+    assert_eq!(reply.status, 400, "{}", reply.body);
+    // A report about another deduplication id (an attempt since replaced) is stale.
+    let other_attempt = report_on(delivered, "k-dc-old", 200);
+    let reply = callback_report(&server, CURRENT, DELIVERY_CALLBACK_URL, &other_attempt).await;
+    assert_eq!(reply.status, 409, "{}", reply.body);
+    assert_eq!(
+        delivery_state(&pool, delivered).await,
+        (false, false, true, None)
+    );
+
+    // The genuine success callback publishes the row and ends its hold.
+    let reply = callback_report(&server, CURRENT, DELIVERY_CALLBACK_URL, &ok).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let (published, dead, held, _) = delivery_state(&pool, delivered).await;
+    assert!(published && !dead && !held);
+    // A failure report arriving after it (late, or replayed) changes nothing;
+    // it is acknowledged, so QStash does not call again.
+    let late = report_on(delivered, "k-dc-1", 503);
+    let reply = callback_report(&server, CURRENT, DELIVERY_CALLBACK_URL, &late).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert!(reply.body.contains("already final"), "{}", reply.body);
+    assert_eq!(
+        delivery_state(&pool, delivered).await,
+        (true, false, false, None)
+    );
+
+    // QStash still retrying: the row stays held, with the destination's answer.
+    let retrying = held_row(&pool, "k-dc-2").await;
+    pool.get()
+        .await
+        .unwrap()
+        .execute(
+            "UPDATE outbox SET locked_until = now() + interval '1 minute' WHERE id = $1",
+            &[&retrying],
+        )
+        .await
+        .unwrap();
+    let mut report: Value = serde_json::from_slice(&report_on(retrying, "k-dc-2", 503)).unwrap();
+    report["retried"] = json!(1);
+    let report = serde_json::to_vec(&report).unwrap();
+    let reply = callback_report(&server, CURRENT, DELIVERY_CALLBACK_URL, &report).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let (published, dead, held, error) = delivery_state(&pool, retrying).await;
+    assert!(!published && !dead && held, "the hold was not extended");
+    assert!(error.unwrap().contains("503"));
+
+    // QStash gave up (retried == maxRetries): dead-lettered with the reason.
+    let failed = held_row(&pool, "k-dc-3").await;
+    let reply = callback_report(
+        &server,
+        CURRENT,
+        DELIVERY_CALLBACK_URL,
+        &report_on(failed, "k-dc-3", 503),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let (published, dead, _, error) = delivery_state(&pool, failed).await;
+    assert!(!published && dead);
+    assert!(error.unwrap().contains("upstream is down"));
+}

@@ -63,7 +63,7 @@ async fn qstash_headers_are_those_the_official_sdk_sends() {
         delay = "10s"
         method = "PUT"
         failure_callback = "https://cb.example.com/fail"
-        ordering = "partition_key"
+        ordering = "partition_key_to_qstash"
     "#;
     let mut cfg = config(&db, &sink.url(), routes);
     cfg.qstash.mode = outbox_relay::config::PublishMode::Single;
@@ -355,7 +355,7 @@ async fn ordered_keys_hold_back_behind_a_failing_event_and_others_flow() {
         [[routes]]
         event_type = "order.*"
         destination = "https://example.com/orders"
-        ordering = "partition_key"
+        ordering = "partition_key_to_qstash"
     "#;
     // Key "slow" has events 0..5; its first fails twice. Keys k0..k9 have 5 each.
     let mut client = db.client().await.unwrap();

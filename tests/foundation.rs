@@ -293,6 +293,14 @@ fn config_errors_name_their_key() {
             "routes[0].signing_secret",
         ),
         ("[relay]\nlease = \"forever\"\n", "relay.lease"),
+        (
+            "[qstash]\ntoken = \"t\"\n[[routes]]\nevent_type = \"a\"\ndestination = \"https://x.example/\"\nordering = \"partition_key\"\n",
+            "routes[0].callback",
+        ),
+        (
+            "[[routes]]\nevent_type = \"a\"\ndestination = \"https://x.example/\"\nsink = \"webhook\"\nsigning_secret = \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"\nordering = \"partition_key_to_qstash\"\n",
+            "routes[0].ordering",
+        ),
     ];
     for (toml, key) in cases {
         let err = Config::from_toml_str(toml).expect_err(toml).to_string();
@@ -302,7 +310,7 @@ fn config_errors_name_their_key() {
         );
     }
     let ok = Config::from_toml_str(
-        "[qstash]\ntoken = \"t\"\n[[routes]]\nevent_type = \"order.*\"\ndestination = \"https://x.example/{event_type}\"\nordering = \"partition_key\"\n",
+        "[qstash]\ntoken = \"t\"\n[[routes]]\nevent_type = \"order.*\"\ndestination = \"https://x.example/{event_type}\"\nordering = \"partition_key_to_qstash\"\n",
     )
     .unwrap();
     assert!(ok.any_ordered_route());

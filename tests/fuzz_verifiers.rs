@@ -21,7 +21,7 @@ use common::jwt;
 use jsonwebtoken::Algorithm;
 use outbox_client::consumer::qstash::{Clock, Verifier};
 use outbox_client::consumer::webhooks::WebhookVerifier;
-use outbox_relay::server::callback::parse_failure_report;
+use outbox_relay::server::callback::{parse_delivery_report, parse_failure_report, Verdict};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use serde_json::{json, Value};
@@ -440,6 +440,54 @@ fn failure_reports_never_panic_and_never_pass_a_success() {
                 prop_assert_eq!(report.outbox_id, 41);
                 prop_assert_eq!(report.deduplication_id.as_str(), "k-41");
             }
+            Ok(())
+        },
+    );
+}
+
+#[test]
+fn delivery_callbacks_never_panic_and_read_the_status_right() {
+    let valid = |status: u16, retried: u32| {
+        json!({"status": status, "retried": retried, "maxRetries": 3, "body": STANDARD.encode("answer"),
+               "sourceHeader": {"X-Outbox-Id": ["41"], "X-Outbox-Idempotency-Key": ["k-41"]}})
+    };
+    fuzz(
+        "delivery callbacks",
+        (
+            prop_oneof![
+                proptest::collection::vec(any::<u8>(), 0..300),
+                report_like().prop_map(|v| serde_json::to_vec(&v).unwrap()),
+                (100u16..600, mutation()).prop_map(move |(s, m)| mutate(
+                    &valid(s, 0).to_string(),
+                    &m
+                )
+                .into_bytes()),
+            ],
+            0u16..600,
+            0u32..5,
+        ),
+        |(bytes, status, retried)| {
+            if let Ok(report) = parse_delivery_report(&bytes) {
+                prop_assert!(!report.deduplication_id.trim().is_empty());
+                prop_assert_eq!(
+                    report.verdict == Verdict::Delivered,
+                    (200..300).contains(&report.status)
+                );
+            }
+            // The unmutated callback: delivered exactly on a 2xx, failed for
+            // good once the retries are used up, retried before that.
+            let parsed =
+                parse_delivery_report(&serde_json::to_vec(&valid(status, retried)).unwrap())
+                    .unwrap();
+            let expected = if (200..300).contains(&status) {
+                Verdict::Delivered
+            } else if retried >= 3 {
+                Verdict::Failed
+            } else {
+                Verdict::Retrying
+            };
+            prop_assert_eq!(parsed.verdict, expected);
+            prop_assert_eq!(parsed.outbox_id, 41);
             Ok(())
         },
     );

@@ -21,7 +21,7 @@ const ORDERED: &str = r#"
 [[routes]]
 event_type = "order.*"
 destination = "http://127.0.0.1:9/ordered/{event_type}"
-ordering = "partition_key"
+ordering = "partition_key_to_qstash"
 "#;
 
 async fn insert(db: &TestDb, events: Vec<NewEvent>) {

@@ -61,7 +61,7 @@ async fn a_delivery_that_fails_every_retry_comes_back_as_a_dead_letter() {
         destination = "{}/events"
         retries = 1
         failure_callback = "{callback_url}"
-        ordering = "partition_key"
+        ordering = "partition_key_to_qstash"
         "#,
         dest.url()
     );
@@ -104,4 +104,127 @@ async fn a_delivery_that_fails_every_retry_comes_back_as_a_dead_letter() {
     assert!(reports
         .iter()
         .all(|r| r.delivered && r.last_status == Some(200) && r.retried == 1));
+}
+
+/// Drains `keys` × 6 ordered events through the stand-in, which delivers to a
+/// destination failing 30% of calls and retries them 300 ms later, the way
+/// QStash does: meanwhile a key's next event may be delivered. With
+/// `callbacks`, the route is ordered at the destination (the relay holds a
+/// key until QStash's callback reports the destination's answer); without,
+/// it is ordered only as far as QStash. The destination's report, once every
+/// event arrived.
+async fn ordered_through_qstash(callbacks: bool) -> outbox_testkit::sink::DestinationReport {
+    let db = common::test_db().await;
+    let dest = Destination::start(DestinationConfig {
+        failure_rate: 0.3,
+        latency: Duration::from_millis(5),
+        seed: 11,
+        ..DestinationConfig::default()
+    })
+    .await
+    .unwrap();
+    let sink = Sink::start(SinkConfig {
+        delivery: Some(DeliveryConfig {
+            retries: 10,
+            retry_delay: RetryDelay::Fixed(Duration::from_millis(300)),
+            seed: 11,
+            ..DeliveryConfig::default()
+        }),
+        ..SinkConfig::for_tests(common::TOKEN)
+    })
+    .await
+    .unwrap();
+    let callback_addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let callback_url = format!("http://{callback_addr}{}", callback::CALLBACK_PATH);
+    let mut options = CallbackOptions::new(Vec::<String>::new());
+    options.callback_urls = vec![callback_url.clone()];
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let _server = callback::serve(
+        callback_addr,
+        outbox_relay::store::Store::with_pool(common::pool(&db, 2)),
+        Verifier::new(DEV_CURRENT_SIGNING_KEY, Some(DEV_NEXT_SIGNING_KEY)),
+        options,
+        async {
+            let _ = stopped.await;
+        },
+    )
+    .await
+    .unwrap();
+    let ordering = if callbacks {
+        format!("ordering = \"partition_key\"\n        callback = \"{callback_url}\"")
+    } else {
+        "ordering = \"partition_key_to_qstash\"".to_owned()
+    };
+    let routes = format!(
+        r#"
+        [[routes]]
+        event_type = "*"
+        destination = "{}/events"
+        retries = 10
+        {ordering}
+        "#,
+        dest.url()
+    );
+    let keys = 20;
+    insert_events(&db, keys * 6, keys).await;
+    // A route taking callbacks needs the listener they come to, and the key
+    // that verifies them.
+    let toml = common::config_toml(&db, &sink.url(), &routes)
+        .replace(
+            "metrics_bind = \"127.0.0.1:0\"",
+            &format!("metrics_bind = \"127.0.0.1:0\"\n        callback_bind = \"{callback_addr}\""),
+        )
+        .replace(
+            "[qstash]",
+            &format!("[qstash]\n        current_signing_key = \"{DEV_CURRENT_SIGNING_KEY}\""),
+        );
+    let cfg = outbox_relay::Config::from_toml_str(&toml).unwrap();
+    let relay = Relay::start(cfg).await.unwrap();
+    let delivered = || {
+        let dest = &dest;
+        async move {
+            outbox_testkit::sink::check_order(&dest.calls(), Some(1)).events_delivered
+                >= (keys * 6) as u64
+        }
+    };
+    let all = wait_until(Duration::from_secs(120), delivered).await;
+    let settled = wait_until(LIMIT, || async {
+        count(
+            &db,
+            "SELECT count(*) FROM outbox WHERE published_at IS NULL AND dead_lettered_at IS NULL",
+        )
+        .await
+            == 0
+    })
+    .await;
+    relay.shutdown().await;
+    let _ = stop.send(());
+    assert!(all, "not every event reached the destination");
+    assert!(settled, "rows left unsettled");
+    let report = outbox_testkit::sink::check_order(&dest.calls(), Some(1));
+    assert!(
+        report.failed_calls > 0,
+        "no delivery failed: nothing was tested"
+    );
+    assert_eq!(report.over_parallelism_keys, 0, "{report:?}");
+    report
+}
+
+/// With callbacks, no key sees a later event before an earlier one at the
+/// destination, however often QStash retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ordered_qstash_route_keeps_each_keys_order_at_the_destination() {
+    let report = ordered_through_qstash(true).await;
+    assert_eq!(report.out_of_order, 0, "{:?}", report.examples);
+}
+
+/// Without them (order as far as QStash only), a retried delivery reaches the
+/// destination after its key's next event: what the callbacks are for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_callbacks_a_retried_delivery_arrives_after_the_next_one() {
+    let report = ordered_through_qstash(false).await;
+    assert!(report.out_of_order > 0, "{report:?}");
 }

@@ -24,7 +24,7 @@ const ORDERED_ROUTE: &str = r#"
 [[routes]]
 event_type = "*"
 destination = "http://127.0.0.1:9/hook/{event_type}"
-ordering = "partition_key"
+ordering = "partition_key_to_qstash"
 "#;
 
 /// The engine tests' config, with 16 shards, a name, a metrics port, a 2 s

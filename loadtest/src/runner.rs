@@ -39,7 +39,9 @@ use crate::metrics::ReplicaMetrics;
 use crate::procstat::UsageTracker;
 use crate::producer::{self, ProduceProgress, ProduceStats, APPLICATION_NAME};
 use crate::report::{ChaosStats, DeadTuplePoint, Report, ReportInput, VacuumReport};
-use crate::scenario::{replica_config_toml, ChaosSpec, Scenario, ScenarioKind, VacuumWatchSpec};
+use crate::scenario::{
+    replica_config_toml, ChaosSpec, ReplicaPorts, Scenario, ScenarioKind, VacuumWatchSpec,
+};
 use crate::verify::{load_rows, verify, verify_rows, VerifyOptions};
 use outbox_testkit::relay::{Output, RelayCommand, RelayError, RelayProcess, RelayProgram};
 use outbox_testkit::sink::{check_order, Destination, Sink, SinkConfig};
@@ -370,11 +372,26 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
     };
     let mut replicas = Vec::with_capacity(s.replicas as usize);
     let mut lease = Duration::ZERO;
-    for (i, port) in (0..s.replicas).zip(free_ports(s.replicas as usize)?) {
+    let callback_ports = if s.takes_callbacks() {
+        free_ports(s.replicas as usize)?
+            .into_iter()
+            .map(Some)
+            .collect()
+    } else {
+        vec![None; s.replicas as usize]
+    };
+    for ((i, port), callback) in (0..s.replicas)
+        .zip(free_ports(s.replicas as usize)?)
+        .zip(callback_ports)
+    {
         let config = opts
             .out_dir
             .join(replica_file_name("relay", "toml", i, s.replicas));
-        let text = replica_config_toml(s, sink.addr().port(), &route_destination, port, i)?;
+        let ports = ReplicaPorts {
+            metrics: port,
+            callback,
+        };
+        let text = replica_config_toml(s, sink.addr().port(), &route_destination, ports, i)?;
         let parsed: outbox_relay::Config =
             toml::from_str(&text).map_err(|e| setup("relay config")(&e))?;
         lease = lease.max(parsed.relay.lease);

@@ -168,6 +168,9 @@ pub struct DeliverySpec {
     /// After the drain, how long deliveries and their retries may take to end.
     #[serde(with = "humantime_serde")]
     pub settle_timeout: Duration,
+    /// Retries of a callback whose URL does not answer (a replica killed and
+    /// not yet restarted), after the same pause as a delivery's.
+    pub callback_retries: u32,
 }
 
 impl Default for DeliverySpec {
@@ -183,6 +186,7 @@ impl Default for DeliverySpec {
             seed: 0,
             check_order: true,
             settle_timeout: Duration::from_secs(120),
+            callback_retries: 3,
         }
     }
 }
@@ -196,6 +200,7 @@ impl DeliverySpec {
             retry_delay: self.retry_delay,
             retry_delay_max: self.retry_delay_max,
             seed: self.seed,
+            callback_retries: self.callback_retries,
             ..DeliveryConfig::default()
         }
     }
@@ -397,11 +402,16 @@ impl Scenario {
         if let Some(d) = &self.sink.delivery {
             d.validate().map_err(invalid)?;
         }
+        if self.takes_callbacks() && self.sink.delivery.is_none() {
+            return Err(invalid(
+                "ordering = \"partition_key\" holds each key until QStash's callback: it needs [sink.delivery] (the sink delivers and calls back); use \"partition_key_to_qstash\" without it".into(),
+            ));
+        }
         Ok(())
     }
 
     pub fn ordered(&self) -> bool {
-        self.ordering == Ordering::PartitionKey
+        self.ordering.per_key()
     }
 }
 
@@ -416,7 +426,29 @@ pub fn relay_config_toml(
     metrics_port: u16,
 ) -> Result<String, ScenarioError> {
     let destination = format!("http://127.0.0.1:{sink_port}/hook");
-    replica_config_toml(scenario, sink_port, &destination, metrics_port, 0)
+    let ports = ReplicaPorts {
+        metrics: metrics_port,
+        callback: None,
+    };
+    replica_config_toml(scenario, sink_port, &destination, ports, 0)
+}
+
+/// The loopback ports one replica listens on.
+#[derive(Debug, Clone, Copy)]
+pub struct ReplicaPorts {
+    pub metrics: u16,
+    /// QStash's callbacks (`server.callback_bind`): needed by a scenario
+    /// ordered at the destination (`ordering = "partition_key"`), whose route
+    /// takes delivery callbacks.
+    pub callback: Option<u16>,
+}
+
+impl Scenario {
+    /// Does the route hold each key until QStash's callback (and so need a
+    /// callback listener per replica)?
+    pub fn takes_callbacks(&self) -> bool {
+        self.ordering == Ordering::PartitionKey
+    }
 }
 
 /// [`relay_config_toml`] for replica `replica` (0-based) of the run: every
@@ -424,17 +456,38 @@ pub fn relay_config_toml(
 /// replica's number, so replicas can differ, e.g. in a log prefix or (once
 /// the engine has it) `relay.replica_id = "loadtest-{replica}"`. The route's
 /// destination is `destination` (the sink's `/hook`, or the final destination
-/// in delivery mode).
+/// in delivery mode). A scenario ordered at the destination gets the
+/// callback listener on `ports.callback`, verified with the stand-in's
+/// signing key, and its route names that listener as its `callback`.
 pub fn replica_config_toml(
     scenario: &Scenario,
     sink_port: u16,
     destination: &str,
-    metrics_port: u16,
+    ports: ReplicaPorts,
     replica: u32,
 ) -> Result<String, ScenarioError> {
     let err = |e: &dyn std::fmt::Display| ScenarioError::RelayConfig(e.to_string());
     let mut config = outbox_relay::Config::default();
-    config.server.metrics_bind = Some(std::net::SocketAddr::from(([127, 0, 0, 1], metrics_port)));
+    config.server.metrics_bind = Some(std::net::SocketAddr::from(([127, 0, 0, 1], ports.metrics)));
+    let callback = match (scenario.takes_callbacks(), ports.callback) {
+        (true, Some(port)) => {
+            let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+            config.server.callback_bind = Some(addr);
+            config.qstash.current_signing_key = outbox_testkit::sink::DEV_CURRENT_SIGNING_KEY
+                .parse()
+                .map_err(|e: String| err(&e))?;
+            Some(format!(
+                "http://{addr}{}",
+                outbox_relay::server::callback::CALLBACK_PATH
+            ))
+        }
+        (true, None) => {
+            return Err(ScenarioError::RelayConfig(
+                "an ordering = \"partition_key\" scenario takes QStash's callbacks: it needs a callback port".into(),
+            ))
+        }
+        (false, _) => None,
+    };
     let mut value = toml::Value::try_from(&config).map_err(|e| err(&e))?;
     let table = value
         .as_table_mut()
@@ -447,6 +500,12 @@ pub fn replica_config_toml(
     route.insert("ordering".into(), ordering);
     if scenario.ordered() {
         route.insert("parallelism".into(), 1.into());
+    }
+    if let Some(url) = callback {
+        route.insert("callback".into(), url.into());
+        // A callback that never comes (a killed replica's, retried in vain)
+        // costs this long before the event is sent again.
+        route.insert("callback_timeout".into(), "20s".into());
     }
     table.insert("routes".into(), toml::Value::Array(vec![route.into()]));
     let mut overrides = scenario.relay_config.clone();
@@ -499,7 +558,7 @@ mod tests {
     const ORDERED: &str = r#"
 name = "t"
 kind = "steady"
-ordering = "partition_key"
+ordering = "partition_key_to_qstash"
 [load]
 rate = 100.0
 duration = "2s"
@@ -520,7 +579,7 @@ mode = "single"
             "http://127.0.0.1:4321/hook"
         );
         assert_eq!(c.routes[0].event_type.to_string(), "*");
-        assert_eq!(c.routes[0].ordering, Ordering::PartitionKey);
+        assert_eq!(c.routes[0].ordering, Ordering::PartitionKeyToQstash);
         assert_eq!(c.routes[0].parallelism.map(|p| p.get()), Some(1));
         assert_eq!(c.relay.claim_batch, 50);
         assert_eq!(
@@ -591,17 +650,47 @@ current_signing_key = "sig-replica-{replica}"
     }
 
     #[test]
+    fn a_scenario_ordered_at_the_destination_routes_callbacks_to_each_replica() {
+        let at_the_door = ORDERED.replace(
+            "ordering = \"partition_key_to_qstash\"",
+            "ordering = \"partition_key\"",
+        );
+        let e = Scenario::from_toml_str(&at_the_door).unwrap_err();
+        assert!(e.to_string().contains("[sink.delivery]"), "{e}");
+        let s = Scenario::from_toml_str(&format!(
+            "{at_the_door}[sink.delivery]\nretry_delay = \"1s\"\n"
+        ))
+        .unwrap();
+        assert!(s.takes_callbacks());
+        let ports = ReplicaPorts {
+            metrics: 4330,
+            callback: Some(4340),
+        };
+        let text = replica_config_toml(&s, 4321, "http://127.0.0.1:4322/events", ports, 0).unwrap();
+        let c: outbox_relay::Config = toml::from_str(&text).unwrap();
+        assert_eq!(
+            c.routes[0].callback.as_ref().map(|u| u.as_str()),
+            Some("http://127.0.0.1:4340/qstash/callback")
+        );
+        assert_eq!(c.server.callback_bind.unwrap().port(), 4340);
+        assert!(!c.qstash.current_signing_key.is_empty());
+        let none = ReplicaPorts {
+            metrics: 4330,
+            callback: None,
+        };
+        assert!(replica_config_toml(&s, 4321, "http://127.0.0.1:4322/events", none, 0).is_err());
+    }
+
+    #[test]
     fn each_replica_gets_its_number_in_overrides() {
         let s = Scenario::from_toml_str(CHAOS).unwrap();
         for replica in [0, 2] {
-            let text = replica_config_toml(
-                &s,
-                4321,
-                "http://127.0.0.1:4321/hook",
-                4330 + replica as u16,
-                replica,
-            )
-            .unwrap();
+            let ports = ReplicaPorts {
+                metrics: 4330 + replica as u16,
+                callback: None,
+            };
+            let text = replica_config_toml(&s, 4321, "http://127.0.0.1:4321/hook", ports, replica)
+                .unwrap();
             let c: toml::Table = toml::from_str(&text).unwrap();
             assert_eq!(
                 c["qstash"]["current_signing_key"].as_str(),

@@ -91,7 +91,7 @@ shutdown_grace = "5s"
 const REPLICAS_SCENARIO: &str = r#"
 name = "chaos-replicas-ci"
 kind = "chaos"
-ordering = "partition_key"
+ordering = "partition_key_to_qstash"
 replicas = 3
 drain_timeout = "4m"
 

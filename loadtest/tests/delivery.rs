@@ -16,7 +16,7 @@ use loadtest::scenario::Scenario;
 const SCENARIO: &str = r#"
 name = "delivery-ci"
 kind = "drain"
-ordering = "partition_key"
+ordering = "partition_key_to_qstash"
 drain_timeout = "3m"
 
 [preload]

@@ -52,7 +52,7 @@ async fn a_drain_scenario_runs_end_to_end_with_a_stand_in_relay() {
         r#"
 name = "mini-drain"
 kind = "drain"
-ordering = "partition_key"
+ordering = "partition_key_to_qstash"
 drain_timeout = "120s"
 [preload]
 events = 30
@@ -79,7 +79,7 @@ partition_keys = 4
     }
     let relay_toml = std::fs::read_to_string(opts.out_dir.join("relay.toml")).unwrap();
     assert!(
-        relay_toml.contains("ordering = \"partition_key\""),
+        relay_toml.contains("ordering = \"partition_key_to_qstash\""),
         "{relay_toml}"
     );
 }

@@ -153,7 +153,15 @@ impl Actor for Publisher {
             .map(|(row, lease)| {
                 let outcome = outcomes.as_mut().and_then(Iterator::next);
                 Marked {
-                    mark: decide(&args.retry, row, &lease, outcome, &paused, &mut state.rng),
+                    mark: decide(
+                        &args.retry,
+                        route.config.callback_hold(),
+                        row,
+                        &lease,
+                        outcome,
+                        &paused,
+                        &mut state.rng,
+                    ),
                     route: Some(route.index),
                     lease,
                 }
@@ -219,8 +227,10 @@ fn drop_expired(
 /// until when, and why) a row that was not sent, or failed with the sink
 /// rather than for itself, is deferred without counting the attempt.
 /// (Counting happens in the marker, for the rows whose mark the database took.)
+#[allow(clippy::too_many_arguments)]
 fn decide(
     retry: &RetryPolicy,
+    hold: Option<Duration>,
     row: &OutboxRow,
     lease: &Lease,
     outcome: Option<Outcome>,
@@ -252,18 +262,37 @@ fn decide(
         // Not sent and not paused: cannot happen; give the lease back.
         (None, None) => return Mark::Release,
     };
-    match outcome {
-        Outcome::Published => {
+    match (outcome, hold) {
+        // An ordered QStash route: QStash took it, its callback will say what
+        // the destination answered; the key waits until then. Sent again
+        // after a hold that ran out (the callback never came), it counts as
+        // an attempt, and the last one dead-letters.
+        (Outcome::Published, Some(hold)) => {
+            let (attempt, max) = (lease.attempt(), retry.max_attempts);
+            if lease.held_before && attempt as u32 >= max {
+                let error = format!(
+                    "QStash took this event {attempt} times but no callback reported the destination's answer within {} after any of them (routes[].callback, server.callback_bind)",
+                    humantime::format_duration(hold)
+                );
+                dead(row, DeadReason::Exhausted, error)
+            } else {
+                Mark::Hold { delay: hold }
+            }
+        }
+        (Outcome::Published, None) => {
             if let Ok(age) = (chrono::Utc::now() - row.created_at).to_std() {
                 m::record_commit_to_ack(age);
             }
             Mark::Published
         }
-        Outcome::Retry {
-            after,
-            reason,
-            error,
-        } => {
+        (
+            Outcome::Retry {
+                after,
+                reason,
+                error,
+            },
+            _,
+        ) => {
             let max = retry.max_attempts;
             let attempt = lease.attempt();
             if attempt as u32 >= max {
@@ -279,7 +308,7 @@ fn decide(
                 }
             }
         }
-        Outcome::Dead { reason, error } => dead(row, reason, error),
+        (Outcome::Dead { reason, error }, _) => dead(row, reason, error),
     }
 }
 

@@ -38,6 +38,18 @@ pub struct RouteConfig {
     pub period: Option<Duration>,
     #[serde(default)]
     pub failure_callback: Option<HttpUrl>,
+    /// `Upstash-Callback` for an ordered QStash route: where QStash reports
+    /// each delivery's outcome to this relay (`POST /qstash/callback` on
+    /// `server.callback_bind`, at the URL QStash reaches it by). A key's next
+    /// event goes out only once QStash said the destination took this one.
+    #[serde(default)]
+    pub callback: Option<HttpUrl>,
+    /// How long a delivery QStash took is held for its callback (QStash's own
+    /// retries of a failing destination included: with 3 retries they take
+    /// about 33 minutes); then it is sent again under the same
+    /// deduplication id, and after `relay.max_attempts` dead-lettered.
+    #[serde(default = "default_callback_timeout", with = "humantime_serde")]
+    pub callback_timeout: Duration,
     #[serde(default, with = "humantime_serde")]
     pub delay: Option<Duration>,
     /// `Upstash-Method` (QStash) or the request method (webhook).
@@ -49,6 +61,10 @@ pub struct RouteConfig {
     /// empty one is not set.
     #[serde(default, deserialize_with = "optional_signing_secret")]
     pub signing_secret: Option<SigningSecret>,
+}
+
+fn default_callback_timeout() -> Duration {
+    Duration::from_secs(3600)
 }
 
 /// A rule between two keys of a route that does not hold; `key` is the one
@@ -74,7 +90,41 @@ impl RouteConfig {
                 reason: "needs `rate`",
             });
         }
+        let qstash = self.sink == SinkKind::Qstash;
+        match (self.ordering, qstash, &self.callback) {
+            (Ordering::PartitionKey, true, None) => {
+                return Err(RouteError {
+                    key: "callback",
+                    reason: "is required for an ordered QStash route: QStash retries a failed delivery later and delivers the key's next event meanwhile, so the relay holds the key until QStash's callback says the destination took the event. Set it to this relay's callback URL (POST /qstash/callback on server.callback_bind, as QStash reaches it), or set ordering = \"partition_key_to_qstash\" for order only as far as QStash",
+                })
+            }
+            (Ordering::PartitionKeyToQstash, false, _) => {
+                return Err(RouteError {
+                    key: "ordering",
+                    reason: "\"partition_key_to_qstash\" is for QStash routes; a webhook route keeps a key's order at the destination with \"partition_key\"",
+                })
+            }
+            (Ordering::PartitionKey, true, Some(_)) | (_, _, None) => {}
+            (_, _, Some(_)) => {
+                return Err(RouteError {
+                    key: "callback",
+                    reason: "is for ordered QStash routes (sink = \"qstash\", ordering = \"partition_key\")",
+                })
+            }
+        }
+        if self.callback_timeout.is_zero() {
+            return Err(RouteError {
+                key: "callback_timeout",
+                reason: "must be more than zero",
+            });
+        }
         Ok(())
+    }
+
+    /// How long a delivery QStash took is held for its callback, for a route
+    /// that waits for one.
+    pub fn callback_hold(&self) -> Option<Duration> {
+        self.callback.as_ref().map(|_| self.callback_timeout)
     }
 
     /// Does this route take events of `event_type`?
@@ -96,7 +146,20 @@ pub enum SinkKind {
 pub enum Ordering {
     #[default]
     None,
+    /// Per partition key, in id order, at the destination: a webhook route
+    /// waits for each answer; a QStash route waits for QStash's callback.
     PartitionKey,
+    /// Per partition key, in id order, as far as QStash: QStash takes a key's
+    /// events in order, one at a time (flow control, parallelism 1), but a
+    /// delivery it retries can reach the destination after the next one.
+    PartitionKeyToQstash,
+}
+
+impl Ordering {
+    /// Are a key's events claimed one at a time, in id order?
+    pub fn per_key(self) -> bool {
+        self != Ordering::None
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]

@@ -164,7 +164,7 @@ pub struct Route {
 
 impl Route {
     pub fn ordered(&self) -> bool {
-        self.config.ordering == Ordering::PartitionKey
+        self.config.ordering.per_key()
     }
 }
 
@@ -269,7 +269,7 @@ mod tests {
             [[routes]]
             event_type = "order.*"
             destination = "https://a.example/orders"
-            ordering = "partition_key"
+            ordering = "partition_key_to_qstash"
             [[routes]]
             event_type = "*"
             destination = "https://a.example/all"
@@ -330,5 +330,59 @@ mod tests {
             assert!(shown.contains("h.example.com/{event_type}"), "{shown}");
         }
         assert_eq!(Template::parse(""), Err("must not be empty".to_owned()));
+    }
+
+    /// A route from `extra` keys on top of a QStash catch-all.
+    fn route(extra: serde_json::Value) -> Result<RouteConfig, String> {
+        let mut json =
+            serde_json::json!({"event_type": "*", "destination": "https://a.example.com/"});
+        for (k, v) in extra.as_object().unwrap() {
+            json[k] = v.clone();
+        }
+        let r: RouteConfig = serde_json::from_value(json).map_err(|e| e.to_string())?;
+        r.validate()
+            .map_err(|e| format!("{}: {}", e.key, e.reason))?;
+        Ok(r)
+    }
+
+    #[test]
+    fn an_ordered_qstash_route_takes_callbacks_or_says_it_orders_only_to_qstash() {
+        use serde_json::json;
+        let cb = "https://relay.example.com/qstash/callback";
+        let e = route(json!({"ordering": "partition_key"})).unwrap_err();
+        assert!(
+            e.starts_with("callback: is required for an ordered QStash route"),
+            "{e}"
+        );
+        assert!(e.contains("partition_key_to_qstash"), "{e}");
+        let r = route(json!({"ordering": "partition_key", "callback": cb})).unwrap();
+        assert_eq!(
+            r.callback_hold(),
+            Some(std::time::Duration::from_secs(3600))
+        );
+        let r = route(json!({"ordering": "partition_key_to_qstash"})).unwrap();
+        assert!(r.ordering.per_key() && r.callback_hold().is_none());
+        // A callback is for ordered QStash routes only.
+        let e = route(json!({"callback": cb})).unwrap_err();
+        assert!(
+            e.starts_with("callback: is for ordered QStash routes"),
+            "{e}"
+        );
+        // A webhook route waits for each answer: "to QStash" makes no sense there.
+        let webhook = |ordering: &str| {
+            route(json!({
+                "sink": "webhook",
+                "signing_secret": "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+                "ordering": ordering
+            }))
+        };
+        assert!(webhook("partition_key_to_qstash")
+            .unwrap_err()
+            .starts_with("ordering:"));
+        webhook("partition_key").unwrap();
+        let e =
+            route(json!({"ordering": "partition_key", "callback": cb, "callback_timeout": "0s"}))
+                .unwrap_err();
+        assert!(e.starts_with("callback_timeout:"), "{e}");
     }
 }

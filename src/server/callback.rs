@@ -1,16 +1,22 @@
-//! QStash's failure callback: when a message has used up its retries, QStash
-//! POSTs a report here and we record the final failure on the outbox row
-//! (`dead_lettered_at`, `last_error`), so `outbox-relay dlq` sees it.
+//! QStash's callbacks, on a listener of their own:
 //!
-//! Set the route's failure callback to `https://<this server>/qstash/failure`.
-//! The report is signed like any delivery. Before the body is read, the
-//! signature must hold and its `sub` must be one of the failure-callback URLs
-//! the routes name (a report QStash made for another endpoint is refused);
+//! - `POST /qstash/failure` (a route's `failure_callback`): a message has used
+//!   up its retries; the final failure is recorded on the outbox row
+//!   (`dead_lettered_at`, `last_error`), so `outbox-relay dlq` sees it.
+//! - `POST /qstash/callback` (an ordered QStash route's `callback`): the
+//!   destination's answer to one delivery attempt. The relay held the row
+//!   (and so its key) since QStash took it; a 2xx publishes it, a failure
+//!   QStash will retry keeps holding it, and the last failed attempt
+//!   dead-letters it. Either end lets the key's next event go out: the relays
+//!   are woken through the outbox's id sequence, which their listeners watch.
+//!
+//! Reports are signed like any delivery. Before the body is read, the
+//! signature must hold and its `sub` must be one of the URLs the routes name
+//! for that endpoint (a report QStash made for another endpoint is refused);
 //! the body is then read within a size and time bound, and a limited number
-//! of reports are handled at once. Only failure reports count, and only for
-//! the attempt they report on: the row's current deduplication id must be the
-//! one the report names, so a late report never touches a row that was
-//! replayed since.
+//! of reports are handled at once. A report counts only for the attempt it is
+//! about: the row's current deduplication id must be the one it names, so a
+//! late report never touches a row that was replayed since.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -27,11 +33,15 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde::Deserialize;
 use tokio::sync::Semaphore;
 
-use crate::store::outbox::ReportedDead;
+use metrics::counter;
+
+use crate::metrics as m;
+use crate::store::outbox::{DeliveryOutcome, ReportedDead, ReportedOutcome};
 use crate::store::{Store, StoreError};
 use outbox_client::consumer::qstash::{SignatureError, Verifier};
 
 pub const FAILURE_PATH: &str = "/qstash/failure";
+pub const CALLBACK_PATH: &str = "/qstash/callback";
 
 /// `last_error` keeps this many characters of the destination's answer.
 pub const MAX_ERROR_BODY_CHARS: usize = 2000;
@@ -67,10 +77,15 @@ const KEY_HEADERS: &[&str] = &["x-outbox-idempotency-key", "upstash-deduplicatio
 /// How the listener guards itself before a report is verified.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CallbackOptions {
-    /// The URLs QStash calls this endpoint at (the routes' `failure_callback`):
-    /// the signature's `sub` must be one of them. None means every report is
-    /// refused.
+    /// The URLs QStash calls the failure endpoint at (the routes'
+    /// `failure_callback`): the signature's `sub` must be one of them. None
+    /// means every failure report is refused.
     pub urls: Vec<String>,
+    /// The same for delivery callbacks (the routes' `callback`).
+    pub callback_urls: Vec<String>,
+    /// How much longer a row stays held when a callback says QStash will try
+    /// the destination again (the longest of the routes' `callback_timeout`).
+    pub hold: Duration,
     /// A longer body is refused (413) without being read to its end.
     pub max_body_bytes: usize,
     /// The whole body must arrive within this (else 408).
@@ -89,6 +104,8 @@ impl CallbackOptions {
     pub fn new<S: Into<String>>(urls: impl IntoIterator<Item = S>) -> CallbackOptions {
         CallbackOptions {
             urls: urls.into_iter().map(Into::into).collect(),
+            callback_urls: Vec::new(),
+            hold: Duration::from_secs(3600),
             max_body_bytes: DEFAULT_MAX_REPORT_BYTES,
             read_timeout: DEFAULT_READ_TIMEOUT,
             max_concurrent: DEFAULT_MAX_CONCURRENT,
@@ -119,7 +136,7 @@ struct CallbackState {
     slots: Arc<Semaphore>,
 }
 
-/// `POST /qstash/failure`.
+/// `POST /qstash/failure` and `POST /qstash/callback`.
 pub fn failure_callback_router(
     store: Store,
     verifier: Verifier,
@@ -128,6 +145,7 @@ pub fn failure_callback_router(
     let slots = Arc::new(Semaphore::new(options.max_concurrent.max(1)));
     Router::new()
         .route(FAILURE_PATH, post(failure_callback))
+        .route(CALLBACK_PATH, post(delivery_callback))
         .with_state(Arc::new(CallbackState {
             store,
             verifier,
@@ -173,6 +191,9 @@ struct FailureReport {
     url: Option<String>,
     #[serde(default)]
     source_header: HashMap<String, HeaderValues>,
+    /// The destination's answer's headers (delivery callbacks).
+    #[serde(default)]
+    header: HashMap<String, HeaderValues>,
     #[serde(default)]
     source_body: Option<String>,
 }
@@ -258,13 +279,7 @@ async fn failure_callback(State(state): State<Arc<CallbackState>>, request: Requ
 }
 
 async fn record_failure(state: &CallbackState, request: Request) -> Result<i64, Rejection> {
-    let _slot = state
-        .slots
-        .clone()
-        .try_acquire_owned()
-        .map_err(|_| Rejection::Busy)?;
-    let (parts, body) = request.into_parts();
-    let body = read_verified(state, &parts.headers, body).await?;
+    let (_slot, body) = take_verified(state, &state.options.urls, request).await?;
     let report = parse_failure_report(&body).map_err(|e| Rejection::BadReport(e.0))?;
     let marked = state
         .store
@@ -301,11 +316,87 @@ async fn record_failure(state: &CallbackState, request: Request) -> Result<i64, 
     Ok(report.outbox_id)
 }
 
+async fn delivery_callback(State(state): State<Arc<CallbackState>>, request: Request) -> Response {
+    match record_outcome(&state, request).await {
+        Ok((id, outcome)) => {
+            (StatusCode::OK, format!("outbox row {id}: {outcome}")).into_response()
+        }
+        Err(rejection) => {
+            if let Rejection::Stale(_) = rejection {
+                counter!(m::CALLBACKS, "outcome" => "stale").increment(1);
+            }
+            tracing::warn!(rejection = ?rejection, "delivery callback refused");
+            rejection.into_response()
+        }
+    }
+}
+
+/// Writes what a delivery callback says; the outbox id and what was done.
+async fn record_outcome(
+    state: &CallbackState,
+    request: Request,
+) -> Result<(i64, &'static str), Rejection> {
+    let (_slot, body) = take_verified(state, &state.options.callback_urls, request).await?;
+    let report = parse_delivery_report(&body).map_err(|e| Rejection::BadReport(e.0))?;
+    let outcome = match report.verdict {
+        Verdict::Delivered => DeliveryOutcome::Delivered,
+        Verdict::Retrying => DeliveryOutcome::Retrying {
+            hold: state.options.hold,
+        },
+        Verdict::Failed => DeliveryOutcome::Failed,
+    };
+    let marked = state
+        .store
+        .reported_outcome(
+            report.outbox_id,
+            &report.deduplication_id,
+            outcome,
+            &report.last_error,
+        )
+        .await
+        .map_err(Rejection::Database)?;
+    let label = report.verdict.as_str();
+    match marked {
+        ReportedOutcome::Marked => {
+            counter!(m::CALLBACKS, "outcome" => label).increment(1);
+            if report.verdict == Verdict::Failed {
+                tracing::warn!(id = report.outbox_id, status = report.status, error = %report.last_error, "QStash's last delivery attempt failed; dead-lettered");
+            }
+            Ok((report.outbox_id, label))
+        }
+        // QStash sent it again, or it came after the row was settled: done.
+        ReportedOutcome::Final => Ok((report.outbox_id, "already final")),
+        ReportedOutcome::Unknown => Err(Rejection::UnknownRow(report.outbox_id)),
+        ReportedOutcome::Replaced { current } => Err(Rejection::Stale(format!(
+            "outbox row {} is now on deduplication id {current:?}, the callback is about {:?}: not marked",
+            report.outbox_id, report.deduplication_id
+        ))),
+    }
+}
+
 /// The signature (key, times, and `sub` among the configured URLs) before a
 /// byte of the body is read; then the body within the size and time bounds;
 /// then its hash against the signature.
+/// A request slot (refused when all are taken) and the verified body: the
+/// slot is held while the report is written.
+async fn take_verified(
+    state: &CallbackState,
+    urls: &[String],
+    request: Request,
+) -> Result<(tokio::sync::OwnedSemaphorePermit, bytes::Bytes), Rejection> {
+    let slot = state
+        .slots
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| Rejection::Busy)?;
+    let (parts, body) = request.into_parts();
+    let body = read_verified(state, urls, &parts.headers, body).await?;
+    Ok((slot, body))
+}
+
 async fn read_verified(
     state: &CallbackState,
+    urls: &[String],
     headers: &HeaderMap,
     body: axum::body::Body,
 ) -> Result<bytes::Bytes, Rejection> {
@@ -315,10 +406,10 @@ async fn read_verified(
         .verify_token_headers(headers, None)
         .map_err(unauthorized)?;
     let subject = token.claims().subject.as_deref();
-    if !subject.is_some_and(|s| state.options.urls.iter().any(|url| url == s)) {
+    if !subject.is_some_and(|s| urls.iter().any(|url| url == s)) {
         return Err(unauthorized(SignatureError::WrongSubject {
             found: subject.map(str::to_owned),
-            expected: state.options.urls.join(" or "),
+            expected: urls.join(" or "),
         }));
     }
     let max = state.options.max_body_bytes;
@@ -396,6 +487,85 @@ pub fn parse_failure_report(body: &[u8]) -> Result<ParsedReport, ReportError> {
         last_error,
         source_message_id: report.source_message_id,
         url: report.url,
+    })
+}
+
+/// What a delivery callback says of one attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// The destination answered 2xx.
+    Delivered,
+    /// It did not, and QStash will try again.
+    Retrying,
+    /// It did not, and that was the last attempt (retries used up, or the
+    /// destination said not to retry: 489 with `Upstash-NonRetryable-Error`).
+    Failed,
+}
+
+impl Verdict {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Verdict::Delivered => "delivered",
+            Verdict::Retrying => "retrying",
+            Verdict::Failed => "failed",
+        }
+    }
+}
+
+/// What a delivery callback says, as the listener uses it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParsedOutcome {
+    pub outbox_id: i64,
+    /// The deduplication id of the attempt the callback is about.
+    pub deduplication_id: String,
+    pub status: u16,
+    pub verdict: Verdict,
+    /// What goes into the row's `last_error` when it was not delivered.
+    pub last_error: String,
+}
+
+/// Parses a delivery callback's body (the signature is checked elsewhere):
+/// the same report as a failure callback's, about any attempt. A failure
+/// without `retried` and `maxRetries` is taken as one QStash retries (the row
+/// stays held; if nothing else comes, its hold runs out and it is sent again).
+pub fn parse_delivery_report(body: &[u8]) -> Result<ParsedOutcome, ReportError> {
+    let report: FailureReport = serde_json::from_slice(body)
+        .map_err(|e| ReportError(format!("not a QStash callback report: {e}")))?;
+    let outbox_id = outbox_id(&report)?;
+    let deduplication_id = header_value(&report, KEY_HEADERS)
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+        .ok_or_else(|| {
+            ReportError("no X-Outbox-Idempotency-Key in sourceHeader: cannot tell which attempt the callback is about".into())
+        })?
+        .to_owned();
+    let non_retryable = report.status == 489
+        && report.header.iter().any(|(name, values)| {
+            name.eq_ignore_ascii_case("upstash-nonretryable-error")
+                && values
+                    .first()
+                    .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"))
+        });
+    let verdict = if (200..300).contains(&report.status) {
+        Verdict::Delivered
+    } else if non_retryable
+        || matches!((report.retried, report.max_retries), (Some(r), Some(max)) if r >= max)
+    {
+        Verdict::Failed
+    } else {
+        Verdict::Retrying
+    };
+    let last_error = if verdict == Verdict::Delivered {
+        String::new()
+    } else {
+        describe(&report)?
+    };
+    Ok(ParsedOutcome {
+        outbox_id,
+        deduplication_id,
+        status: report.status,
+        verdict,
+        last_error,
     })
 }
 
@@ -522,5 +692,53 @@ mod tests {
             text.starts_with("qstash: status 500 after 3 retries: (binary body of 13 bytes"),
             "{text:?}"
         );
+    }
+
+    fn delivery(json: serde_json::Value) -> Result<ParsedOutcome, ReportError> {
+        parse_delivery_report(&serde_json::to_vec(&json).unwrap())
+    }
+
+    fn about(status: u16, retried: u32) -> serde_json::Value {
+        serde_json::json!({
+            "status": status, "retried": retried, "maxRetries": 3,
+            "body": STANDARD.encode(b"answer"),
+            "sourceHeader": {"X-Outbox-Id": ["7"], "X-Outbox-Idempotency-Key": ["k-7"]}
+        })
+    }
+
+    #[test]
+    fn a_delivery_callback_says_delivered_retrying_or_failed() {
+        let ok = delivery(about(204, 1)).unwrap();
+        assert_eq!(
+            (ok.outbox_id, ok.deduplication_id.as_str(), ok.verdict),
+            (7, "k-7", Verdict::Delivered)
+        );
+        assert!(ok.last_error.is_empty());
+        let again = delivery(about(503, 1)).unwrap();
+        assert_eq!(again.verdict, Verdict::Retrying);
+        assert!(again
+            .last_error
+            .starts_with("qstash: status 503 after 1 retries: answer"));
+        assert_eq!(delivery(about(503, 3)).unwrap().verdict, Verdict::Failed);
+        // No answer at all (QStash reports status 0): a failure like any other.
+        assert_eq!(delivery(about(0, 2)).unwrap().verdict, Verdict::Retrying);
+        // 489 with Upstash-NonRetryable-Error: QStash stops at once.
+        let mut stop = about(489, 0);
+        stop["header"] = serde_json::json!({"Upstash-NonRetryable-Error": ["true"]});
+        assert_eq!(delivery(stop).unwrap().verdict, Verdict::Failed);
+        assert_eq!(delivery(about(489, 0)).unwrap().verdict, Verdict::Retrying);
+        // Without the counts, a failure is taken as one QStash retries.
+        let mut unknown = about(500, 3);
+        unknown.as_object_mut().unwrap().remove("maxRetries");
+        assert_eq!(delivery(unknown).unwrap().verdict, Verdict::Retrying);
+    }
+
+    #[test]
+    fn a_delivery_callback_must_say_which_attempt_it_is_about() {
+        let mut no_key = about(200, 0);
+        no_key["sourceHeader"] = serde_json::json!({"X-Outbox-Id": ["7"]});
+        let e = delivery(no_key).unwrap_err();
+        assert!(e.0.contains("X-Outbox-Idempotency-Key"), "{e}");
+        assert!(parse_delivery_report(b"not json").is_err());
     }
 }

@@ -108,6 +108,9 @@ impl QstashSink {
         if let Some(delay) = c.delay {
             headers.push(("upstash-delay".into(), format!("{}s", delay.as_secs())));
         }
+        if let Some(cb) = &c.callback {
+            headers.push(("upstash-callback".into(), cb.as_str().to_owned()));
+        }
         if let Some(cb) = &c.failure_callback {
             headers.push(("upstash-failure-callback".into(), cb.as_str().to_owned()));
         }

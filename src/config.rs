@@ -325,7 +325,7 @@ const WELL_KNOWN_ENV: &[(&str, &str)] = &[
 ];
 
 /// The keys of a route in which `${NAME}` is an environment variable.
-const ROUTE_KEYS_WITH_ENV: &[&str] = &["destination", "failure_callback"];
+const ROUTE_KEYS_WITH_ENV: &[&str] = &["destination", "failure_callback", "callback"];
 
 impl Config {
     /// Defaults, then the file (if any), then `OUTBOX_RELAY_…`, then the
@@ -636,6 +636,14 @@ mod tests {
         assert_eq!(
             c.routes[0].failure_callback.as_ref().unwrap().as_str(),
             "https://relay.example.com/qstash/failure"
+        );
+        let c = Config::from_toml_str(
+            "[qstash]\ntoken = \"t\"\ncurrent_signing_key = \"k\"\n[server]\ncallback_bind = \"127.0.0.1:0\"\n[[routes]]\nevent_type = \"*\"\ndestination = \"https://a.example.com/\"\nordering = \"partition_key\"\ncallback = \"${OUTBOXTEST_CB_Q7}/qstash/callback\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.routes[0].callback.as_ref().unwrap().as_str(),
+            "https://relay.example.com/qstash/callback"
         );
         let e = Config::from_toml_str(
             "[qstash]\ntoken = \"t\"\n[[routes]]\nevent_type = \"*\"\ndestination = \"${OUTBOXTEST_UNSET_Q7}\"\n",

@@ -6,7 +6,7 @@
 //!
 //!  actors::Supervisor ─┬─ Listener   (own connection, probes the id sequence) ── wakes claimers
 //!                      ├─ Coordinator       (shard leases: a fair share among replicas)
-//!                      ├─ Claimer × owned shards  (claim a batch under a lease)
+//!                      ├─ Claimer × owned shards  (read due rows of its shard, under the shard lease)
 //!                      ├─ Publisher × N     (sink::* over one hyper client)
 //!                      └─ Marker            (multi-row UPDATEs, fenced by lease and shard token)
 //! ```

@@ -222,6 +222,14 @@ async fn replay_resets_rows_to_pending_with_new_unique_keys() {
         ids: vec![rows.old_dead, rows.pending, rows.published],
         ..Selector::default()
     };
+    // As if QStash had taken it for an ordered route before it died.
+    client
+        .execute(
+            "UPDATE outbox SET accepted_at = now() WHERE id = $1",
+            &[&rows.old_dead],
+        )
+        .await
+        .unwrap();
     let replayed = store.replay_dead(&selector.selection()).await.unwrap();
     // Only the dead row among them.
     assert_eq!(replayed.len(), 1);
@@ -231,6 +239,18 @@ async fn replay_resets_rows_to_pending_with_new_unique_keys() {
         state(&client, rows.old_dead).await,
         json!({"key": "k-old:replay:1", "dead": false, "published": false, "attempts": 0,
                "locked": false, "error": null, "available_now": true})
+    );
+    let accepted: bool = client
+        .query_one(
+            "SELECT accepted_at IS NOT NULL FROM outbox WHERE id = $1",
+            &[&rows.old_dead],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        !accepted,
+        "a replayed row kept an earlier attempt's acceptance"
     );
     assert_eq!(
         state(&client, rows.pending).await["key"],

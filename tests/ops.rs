@@ -10,6 +10,7 @@ use std::time::Duration;
 use chrono::{DateTime, Timelike, Utc};
 use outbox_relay::config::{Config, JanitorConfig};
 use outbox_relay::janitor::{run_janitor, run_janitor_observed};
+use outbox_relay::store::outbox::{no_cursor, ClaimScope, Write};
 use outbox_relay::store::partitions::{self, MaintainOptions, PartitionAction};
 use outbox_relay::store::retention::{self as prune, PruneOptions};
 use outbox_relay::store::stats::{self, snapshot};
@@ -653,20 +654,6 @@ fn janitor_config_errors_name_their_key() {
 
 // --- partitions ---------------------------------------------------------
 
-/// The relay's claim statement, in the shape the engine uses.
-const CLAIM_SQL: &str = "
-UPDATE outbox
-SET locked_until = now() + interval '30 seconds', attempt_count = attempt_count + 1
-WHERE id IN (
-    SELECT id FROM outbox
-    WHERE published_at IS NULL AND dead_lettered_at IS NULL
-      AND available_at <= now()
-      AND (locked_until IS NULL OR locked_until < now())
-    ORDER BY available_at, id
-    LIMIT $1
-    FOR UPDATE SKIP LOCKED)
-RETURNING id, idempotency_key, attempt_count";
-
 /// Inserts one event created `days_ago` days ago the way a producer on a
 /// partitioned outbox must: `ON CONFLICT DO NOTHING` without a target.
 async fn insert_partitioned(client: &Client, key: &str, days_ago: i32) -> Option<i64> {
@@ -796,12 +783,43 @@ async fn partitioned_outbox_claims_dedupes_prunes_and_drops_old_partitions() {
         tx.rollback().await.unwrap();
     }
 
-    // The claim query works across partitions, oldest first, and leases hold.
-    let claimed = client.query(CLAIM_SQL, &[&10i64]).await.unwrap();
-    let claimed_ids: Vec<i64> = claimed.iter().map(|r| r.get(0)).collect();
+    // The relay's own claim and mark work across partitions: the claim reads
+    // every pending row of the shard, the mark (the one write) publishes them.
+    let store = outbox_relay::store::Store::for_command(&db.url).unwrap();
+    store.reshard(1).await.unwrap();
+    let mut session = store.session();
+    let me = outbox_relay::store::shards::Replica::this_process("partition-test");
+    let taken = session
+        .acquire(&me, Duration::from_secs(60), 1, &[])
+        .await
+        .unwrap();
+    let fence = taken[0].fence;
+    let scope = ClaimScope {
+        fence,
+        ordered: &[],
+    };
+    let claimed = session.claim_due(&scope, no_cursor(), 10).await.unwrap();
+    let mut claimed_ids: Vec<i64> = claimed.iter().map(|c| c.row.id).collect();
+    claimed_ids.sort();
     assert_eq!(claimed_ids, [pending_old, recent, today]);
-    assert!(claimed.iter().all(|r| r.get::<_, i32>(2) == 1));
-    assert!(client.query(CLAIM_SQL, &[&10i64]).await.unwrap().is_empty());
+    assert!(claimed.iter().all(|c| c.row.attempt == 1));
+    let marks: Vec<_> = claimed
+        .iter()
+        .map(|c| (c.held(fence), Write::Published))
+        .collect();
+    let written = session.mark(&marks).await;
+    assert_eq!(written.applied.len(), 3, "{written:?}");
+    assert!(session
+        .claim_due(&scope, no_cursor(), 10)
+        .await
+        .unwrap()
+        .is_empty());
+    set(
+        &client,
+        &[pending_old, recent, today],
+        "published_at = NULL, attempt_count = 0",
+    )
+    .await;
 
     // Gauges read every partition.
     let snap = snapshot(&client).await.unwrap();

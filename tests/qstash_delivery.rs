@@ -228,3 +228,112 @@ async fn without_callbacks_a_retried_delivery_arrives_after_the_next_one() {
     let report = ordered_through_qstash(false).await;
     assert!(report.out_of_order > 0, "{report:?}");
 }
+
+/// A callback that never comes: each hold runs out, the event is sent again
+/// under the same deduplication id, and after the attempt numbered
+/// `relay.max_attempts` it is dead-lettered when that last hold runs out,
+/// without another send. The key's next event goes to QStash only then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callback_that_never_comes_dead_letters_after_the_last_hold_in_key_order() {
+    let db = common::test_db().await;
+    // Takes every message and never calls back.
+    let sink = Sink::start(SinkConfig::for_tests(common::TOKEN))
+        .await
+        .unwrap();
+    let callback_addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let routes = format!(
+        r#"
+        [[routes]]
+        event_type = "*"
+        destination = "http://127.0.0.1:9/events"
+        ordering = "partition_key"
+        callback = "http://{callback_addr}{}"
+        callback_timeout = "300ms"
+        "#,
+        callback::CALLBACK_PATH
+    );
+    let keys = 2;
+    insert_events(&db, keys * 2, keys).await;
+    let toml = common::config_toml(&db, &sink.url(), &routes)
+        .replace("max_attempts = 5", "max_attempts = 2")
+        .replace(
+            "metrics_bind = \"127.0.0.1:0\"",
+            &format!("metrics_bind = \"127.0.0.1:0\"\n        callback_bind = \"{callback_addr}\""),
+        )
+        .replace(
+            "[qstash]",
+            &format!("[qstash]\n        current_signing_key = \"{DEV_CURRENT_SIGNING_KEY}\""),
+        );
+    let relay = Relay::start(outbox_relay::Config::from_toml_str(&toml).unwrap())
+        .await
+        .unwrap();
+    let settled = wait_until(LIMIT, || async {
+        count(
+            &db,
+            "SELECT count(*) FROM outbox WHERE dead_lettered_at IS NOT NULL",
+        )
+        .await
+            == (keys * 2) as i64
+    })
+    .await;
+    // Time for a send that should not happen.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    relay.shutdown().await;
+    assert!(settled, "rows were not dead-lettered");
+    let errors = db
+        .client()
+        .await
+        .unwrap()
+        .query(
+            "SELECT last_error, attempt_count, published_at IS NULL FROM outbox ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap();
+    for row in &errors {
+        let (error, attempts, unpublished): (String, i32, bool) =
+            (row.get(0), row.get(1), row.get(2));
+        assert!(error.starts_with("no callback reported"), "{error}");
+        assert_eq!(attempts, 2, "{error}");
+        assert!(unpublished);
+    }
+    let received = sink.received();
+    let ids: std::collections::BTreeSet<i64> =
+        received.iter().filter_map(|r| r.outbox_id).collect();
+    assert_eq!(ids.len(), keys * 2, "{ids:?}");
+    for id in &ids {
+        let sends = received.iter().filter(|r| r.outbox_id == Some(*id)).count();
+        assert_eq!(
+            sends, 2,
+            "event {id} was sent {sends} times, not max_attempts"
+        );
+    }
+    // Event i has key i % keys: the second event of each key went out only
+    // after the first one's last send.
+    let by_id: Vec<i64> = ids.into_iter().collect();
+    for k in 0..keys {
+        let (first, second) = (by_id[k], by_id[k + keys]);
+        let last_of_first = received
+            .iter()
+            .filter(|r| r.outbox_id == Some(first))
+            .map(|r| r.at)
+            .max()
+            .unwrap();
+        let first_of_second = received
+            .iter()
+            .filter(|r| r.outbox_id == Some(second))
+            .map(|r| r.at)
+            .min()
+            .unwrap();
+        // The last copy QStash took had its whole hold to be delivered
+        // before the key moved on.
+        assert!(
+            first_of_second >= last_of_first + Duration::from_millis(300),
+            "key {k}: event {second} went out {:?} after event {first}'s last send, within its hold",
+            first_of_second - last_of_first
+        );
+    }
+}

@@ -367,11 +367,12 @@ fn dispatch(cx: &ClaimerContext, leased: Vec<(OutboxRow, Lease)>) {
             }
             let part_leases: Vec<Lease> = leases.by_ref().take(part_rows.len()).collect();
             let Some(publisher) = cx.publishers.next() else {
-                // All publishers are restarting: the leases expire and the rows
-                // are claimed again.
+                // All publishers are restarting: the leases are dropped here,
+                // so the rows leave the in-flight set and the next claim reads
+                // them again.
                 tracing::warn!(
                     rows = part_rows.len(),
-                    "no publisher available; rows wait for their lease to expire"
+                    "no publisher available; rows not sent (the next claim reads them again)"
                 );
                 continue;
             };
@@ -381,7 +382,7 @@ fn dispatch(cx: &ClaimerContext, leased: Vec<(OutboxRow, Lease)>) {
                 leases: part_leases,
             };
             if let Err(e) = publisher.cast(job) {
-                tracing::warn!(error = %e, "publisher gone; rows wait for their lease to expire");
+                tracing::warn!(error = %e, "publisher gone; rows not sent (the next claim reads them again)");
             }
         }
     }

@@ -1,10 +1,10 @@
 //! Marker: collects outcomes and writes them in one multi-row UPDATE every
 //! `mark_batch` rows or `mark_interval`, whichever comes first
-//! ([`crate::store::Session::mark`]). Every write is fenced twice: by the row's
-//! lease (`attempt_count`), so a relay whose lease expired and was taken by
-//! another cannot overwrite the newer state; and by the shard's fencing token,
-//! so a replica that lost the shard (paused past its shard lease, cut off) has
-//! its late marks refused by the database.
+//! ([`crate::store::Session::mark`]), the one write an event costs. Every
+//! write is fenced twice: by the `attempt_count` the claim read, so a mark
+//! written twice (after a lost answer) or after a newer attempt applies once;
+//! and by the shard's fencing token, so a replica that lost the shard (paused
+//! past its shard lease, cut off) has its late marks refused by the database.
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering as AtomicOrdering;
@@ -59,7 +59,11 @@ impl Mark {
                 delay: *delay,
                 error,
             },
-            Mark::Dead { error, .. } => Write::Dead { error },
+            Mark::Dead { reason, error } => Write::Dead {
+                error,
+                // Settled without a send: not an attempt.
+                attempted: *reason != DeadReason::Unanswered,
+            },
             Mark::Release => Write::Release,
             Mark::Defer { delay, error } => Write::Defer {
                 delay: *delay,
@@ -314,7 +318,7 @@ fn account(args: &MarkerArgs, marked: &[Marked], applied: &HashSet<i64>, refused
     if fenced > 0 {
         tracing::info!(
             fenced,
-            "marks refused: those rows' leases were taken by another claim, or their shard by another replica"
+            "marks refused: those rows were marked already (an answer written twice), or their shard lease ended or went to another replica"
         );
         counter!(m::MARKS_FENCED).increment(fenced);
         counters.fenced.fetch_add(fenced, AtomicOrdering::Relaxed);

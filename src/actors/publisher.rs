@@ -136,6 +136,10 @@ impl Actor for Publisher {
             return Ok(());
         }
         let route = &args.router.routes()[route];
+        let (rows, leases) = settle_unanswered(&args, route, rows, leases);
+        if rows.is_empty() {
+            return Ok(());
+        }
         let breaker = args.sinks.breakers.route(route.index);
         let (outcomes, paused) = match breaker.admit(Instant::now()) {
             Admit::Send => {
@@ -227,6 +231,46 @@ fn drop_expired(
 /// until when, and why) a row that was not sent, or failed with the sink
 /// rather than for itself, is deferred without counting the attempt.
 /// (Counting happens in the marker, for the rows whose mark the database took.)
+/// Rows of an ordered QStash route whose last hold ran out with no callback
+/// after QStash took the attempt numbered `relay.max_attempts`: dead-lettered
+/// here, without sending them again. Dead-lettering when QStash takes that
+/// last copy instead would let the key's next event overtake it.
+fn settle_unanswered(
+    args: &PublisherArgs,
+    route: &crate::routes::Route,
+    rows: Vec<OutboxRow>,
+    leases: Vec<Lease>,
+) -> (Vec<OutboxRow>, Vec<Lease>) {
+    let Some(hold) = route.config.callback_hold() else {
+        return (rows, leases);
+    };
+    let max = args.retry.max_attempts;
+    let unanswered = |lease: &Lease| lease.held_before && lease.attempt() as u32 > max;
+    if !leases.iter().any(unanswered) {
+        return (rows, leases);
+    }
+    let (settled, kept): (Vec<_>, Vec<_>) = rows
+        .into_iter()
+        .zip(leases)
+        .partition(|(_, lease)| unanswered(lease));
+    let marked = settled
+        .into_iter()
+        .map(|(row, lease)| {
+            let error = format!(
+                "no callback reported the destination's answer within {} of QStash taking attempt {max} of {max} (check routes[].callback and server.callback_bind)",
+                humantime::format_duration(hold)
+            );
+            Marked {
+                mark: dead(&row, DeadReason::Unanswered, error),
+                route: Some(route.index),
+                lease,
+            }
+        })
+        .collect();
+    args.marker.send(marked);
+    kept.into_iter().unzip()
+}
+
 #[allow(clippy::too_many_arguments)]
 fn decide(
     retry: &RetryPolicy,
@@ -264,21 +308,10 @@ fn decide(
     };
     match (outcome, hold) {
         // An ordered QStash route: QStash took it, its callback will say what
-        // the destination answered; the key waits until then. Sent again
-        // after a hold that ran out (the callback never came), it counts as
-        // an attempt, and the last one dead-letters.
-        (Outcome::Published, Some(hold)) => {
-            let (attempt, max) = (lease.attempt(), retry.max_attempts);
-            if lease.held_before && attempt as u32 >= max {
-                let error = format!(
-                    "QStash took this event {attempt} times but no callback reported the destination's answer within {} after any of them (routes[].callback, server.callback_bind)",
-                    humantime::format_duration(hold)
-                );
-                dead(row, DeadReason::Exhausted, error)
-            } else {
-                Mark::Hold { delay: hold }
-            }
-        }
+        // the destination answered; the key waits until then, also after the
+        // last attempt (a hold that runs out then is settled by
+        // `settle_unanswered`, without sending again).
+        (Outcome::Published, Some(hold)) => Mark::Hold { delay: hold },
         (Outcome::Published, None) => {
             if let Ok(age) = (chrono::Utc::now() - row.created_at).to_std() {
                 m::record_commit_to_ack(age);

@@ -85,6 +85,9 @@ pub enum DeadReason {
     BadDestination,
     /// The last allowed attempt failed.
     Exhausted,
+    /// QStash took the last allowed attempt of an ordered route's event and
+    /// no callback said what the destination answered before the hold ran out.
+    Unanswered,
 }
 
 impl DeadReason {
@@ -97,6 +100,7 @@ impl DeadReason {
     pub fn as_str(&self) -> &'static str {
         match self {
             DeadReason::Rejected => "rejected",
+            DeadReason::Unanswered => "unanswered",
             DeadReason::TooLarge => "too_large",
             DeadReason::NoRoute => "no_route",
             DeadReason::BadDestination => "bad_destination",

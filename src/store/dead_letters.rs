@@ -97,6 +97,7 @@ SET idempotency_key = k.base || ':replay:' || k.n,
     available_at = now(),
     attempt_count = 0,
     locked_until = NULL,
+    accepted_at = NULL,
     last_error = NULL
 FROM keyed k
 WHERE o.id = k.id
@@ -122,6 +123,7 @@ SET idempotency_key = $2,
     available_at = now(),
     attempt_count = 0,
     locked_until = NULL,
+    accepted_at = NULL,
     last_error = NULL
 WHERE id = $1";
 

@@ -189,7 +189,7 @@ LIMIT $1"
 /// One statement for every kind of outcome, the one write a delivery costs:
 /// published, retry, dead and held (an ordered QStash delivery QStash took,
 /// waiting for the destination's answer) count the attempt; deferred (its
-/// route paused) does not. A release writes nothing (the row was never
+/// route paused) and dead without a send (kind 7) do not. A release writes nothing (the row was never
 /// written when it was claimed).
 ///
 /// Fenced three ways: the row's `attempt_count` must still be the one the
@@ -204,11 +204,11 @@ LIMIT $1"
 pub(super) const MARK: Sql = Sql {
     text: "UPDATE outbox AS o SET
     published_at     = CASE WHEN u.kind = 1 THEN now() ELSE o.published_at END,
-    dead_lettered_at = CASE WHEN u.kind = 3 THEN now() ELSE o.dead_lettered_at END,
+    dead_lettered_at = CASE WHEN u.kind IN (3, 7) THEN now() ELSE o.dead_lettered_at END,
     available_at     = CASE WHEN u.kind IN (2, 5) THEN now() + u.delay_ms * interval '1 millisecond'
                             ELSE o.available_at END,
-    attempt_count    = CASE WHEN u.kind = 5 THEN o.attempt_count ELSE o.attempt_count + 1 END,
-    last_error       = CASE WHEN u.kind IN (2, 3, 5) THEN u.error
+    attempt_count    = CASE WHEN u.kind IN (5, 7) THEN o.attempt_count ELSE o.attempt_count + 1 END,
+    last_error       = CASE WHEN u.kind IN (2, 3, 5, 7) THEN u.error
                             WHEN u.kind IN (1, 6) THEN NULL
                             ELSE o.last_error END,
     locked_until     = CASE WHEN u.kind = 6 THEN now() + u.delay_ms * interval '1 millisecond' END,
@@ -374,8 +374,8 @@ pub enum Write<'a> {
     Published,
     /// Due again after `delay`; the attempt counts.
     Retry { delay: Duration, error: &'a str },
-    /// Final, with the reason.
-    Dead { error: &'a str },
+    /// Final, with the reason; the attempt counts when one was made.
+    Dead { error: &'a str, attempted: bool },
     /// Not attempted: nothing to write (the claim wrote nothing); the row is
     /// read again by the next claim.
     Release,
@@ -393,7 +393,14 @@ impl Write<'_> {
         match *self {
             Write::Published => (1, 0, None),
             Write::Retry { delay, error } => (2, delay.as_millis() as i64, Some(error)),
-            Write::Dead { error } => (3, 0, Some(error)),
+            Write::Dead {
+                error,
+                attempted: true,
+            } => (3, 0, Some(error)),
+            Write::Dead {
+                error,
+                attempted: false,
+            } => (7, 0, Some(error)),
             Write::Release => unreachable!("a release writes nothing"),
             Write::Defer { delay, error } => (5, delay.as_millis() as i64, Some(error)),
             Write::Hold { delay } => (6, delay.as_millis() as i64, None),

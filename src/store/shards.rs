@@ -85,14 +85,17 @@ const SHARD_COUNT: &str = "SELECT shards FROM outbox_relay_settings";
 ///
 /// While a tenure of the old layout may still run (its lease had not ended),
 /// the new shards are not free either: they belong to `(reshard)` until the
-/// last old lease would have ended, and whoever takes one after that is told
-/// it was not handed over cleanly (so it waits for any old request still in
-/// the air before it claims). `$3`: when the last old lease ends, or NULL.
+/// last old lease would have ended. Whoever takes one after that is told it
+/// was not handed over cleanly, so it waits for any old request still in the
+/// air before it claims; also when the old leases had all ended, since a
+/// request started just before its lease ended may still be open. `$3`: when
+/// the last old lease ends, or NULL when no shard was ever held (nothing to
+/// wait for).
 const RESHARD_LEASES: &str = "INSERT INTO outbox_relay_shard_leases
     (shard, bucket_lo, bucket_hi, owner, lease_until)
 SELECT k, (k * $2::int / $1::int)::smallint, ((k + 1) * $2::int / $1::int)::smallint,
-       CASE WHEN $3::timestamptz > now() THEN '(reshard)' END,
-       CASE WHEN $3::timestamptz > now() THEN $3::timestamptz END
+       CASE WHEN $3::timestamptz IS NOT NULL THEN '(reshard)' END,
+       CASE WHEN $3::timestamptz IS NOT NULL THEN greatest($3::timestamptz, now()) END
 FROM generate_series(0, $1::int - 1) AS k";
 const CLEAR_LEASES: &str = "DELETE FROM outbox_relay_shard_leases RETURNING lease_until";
 

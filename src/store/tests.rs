@@ -169,6 +169,7 @@ async fn a_mark_the_database_refuses_does_not_hold_back_the_others() {
         Write::Published,
         Write::Dead {
             error: "HTTP 500: \0binary",
+            attempted: true,
         },
         Write::Retry {
             delay: Duration::from_secs(60),
@@ -221,4 +222,66 @@ async fn a_mark_the_database_refuses_does_not_hold_back_the_others() {
             (true, false)
         ]
     );
+}
+
+/// A shard of a new layout is taken as "not handed over cleanly" (so its
+/// first claim waits for the old owner's requests) whenever the old layout's
+/// leases were not all given back, also when they had all ended before the
+/// reshard; after a layout whose leases were all given back it is free.
+#[tokio::test]
+async fn a_reshard_after_leases_that_ended_makes_the_next_owner_wait() {
+    let db = TestDb::new().await.unwrap();
+    let store = Store::with_pool(db.pool(2).unwrap());
+    let me = |id: &str| shards::Replica {
+        id: id.to_owned(),
+        hostname: "h".to_owned(),
+        pid: 1,
+    };
+    let mut session = store.session();
+    // Never held: nothing to wait for.
+    store.reshard(2).await.unwrap();
+    let taken = session
+        .acquire(&me("a"), Duration::from_secs(60), 2, &[])
+        .await
+        .unwrap();
+    assert!(taken.iter().all(|t| t.previous.is_none()), "{taken:?}");
+    // Held, then the lease ended (the owner died) before the reshard.
+    db.client()
+        .await
+        .unwrap()
+        .batch_execute(
+            "UPDATE outbox_relay_shard_leases SET lease_until = now() - interval '1 minute'",
+        )
+        .await
+        .unwrap();
+    store.reshard(3).await.unwrap();
+    let taken = session
+        .acquire(&me("b"), Duration::from_secs(60), 3, &[])
+        .await
+        .unwrap();
+    assert_eq!(taken.len(), 3);
+    assert!(
+        taken
+            .iter()
+            .all(|t| t.previous.as_deref() == Some("(reshard)")),
+        "{taken:?}"
+    );
+    // Given back cleanly: free, no wait.
+    let tokens: Vec<i64> = taken.iter().map(|t| t.fence.token).collect();
+    db.client()
+        .await
+        .unwrap()
+        .execute(
+            "UPDATE outbox_relay_shard_leases SET owner = NULL, lease_until = NULL WHERE token = ANY($1)",
+            &[&tokens],
+        )
+        .await
+        .unwrap();
+    store.reshard(2).await.unwrap();
+    let taken = session
+        .acquire(&me("c"), Duration::from_secs(60), 2, &[])
+        .await
+        .unwrap();
+    assert_eq!(taken.len(), 2);
+    assert!(taken.iter().all(|t| t.previous.is_none()), "{taken:?}");
 }

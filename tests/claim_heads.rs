@@ -39,6 +39,7 @@ impl Claim {
         let scope = ClaimScope {
             fence: self.fence,
             ordered: &ordered,
+            out: &[],
         };
         let read = self
             .session

@@ -797,6 +797,7 @@ async fn partitioned_outbox_claims_dedupes_prunes_and_drops_old_partitions() {
     let scope = ClaimScope {
         fence,
         ordered: &[],
+        out: &[],
     };
     let claimed = session.claim_due(&scope, no_cursor(), 10).await.unwrap();
     let mut claimed_ids: Vec<i64> = claimed.iter().map(|c| c.row.id).collect();

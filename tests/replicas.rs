@@ -489,6 +489,7 @@ impl ByHand {
         let scope = ClaimScope {
             fence,
             ordered: &[],
+            out: &[],
         };
         self.store
             .session()

@@ -38,6 +38,7 @@ pub async fn run(database_url: &str, claim_batch: i64) -> Result<Ceiling, StoreE
             let scope = ClaimScope {
                 fence,
                 ordered: &[],
+                out: &[],
             };
             let mut session = store.session();
             let (mut rows, mut statements) = (0u64, 0u64);

@@ -238,16 +238,18 @@ async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerSt
 async fn claim(state: &mut ClaimerState, limit: i64) -> Result<Vec<Claimed>, StoreError> {
     // Its own handle on the patterns, so the scope does not borrow the state.
     let ordered = Arc::clone(&state.cx.settings.ordered);
+    // The guard first: a row that leaves the in-flight set after the ids are
+    // read is then known to the guard, so it is not taken twice.
+    let claim = state.cx.in_flight.claim_starts();
+    // What this relay has out of the shard: the claims leave it out.
+    let out = state.cx.in_flight.ids_of(state.fence);
     let scope = ClaimScope {
         fence: state.fence,
         ordered: &ordered,
+        out: &out,
     };
     let heads = !ordered.is_empty();
     let plain = !state.all_ordered;
-    // Rows of this shard out now are read again when a claim goes back over
-    // them (a short claim starts from the beginning): read that many more.
-    let out = state.cx.in_flight.count_of(state.fence) as i64;
-    let claim = state.cx.in_flight.claim_starts();
     // When both kinds run, each gets half of every claim, and what one leaves
     // the other may take: a large ordered backlog never starves the
     // unordered event types, nor the other way round.
@@ -260,13 +262,13 @@ async fn claim(state: &mut ClaimerState, limit: i64) -> Result<Vec<Claimed>, Sto
     };
     let mut rows = Vec::new();
     if heads && heads_share > 0 {
-        rows.extend(heads_claim(state, &claim, &scope, heads_share, out).await?);
+        rows.extend(heads_claim(state, &claim, &scope, heads_share).await?);
     }
     // Heads may want more than their share (none was asked, or all were taken).
     let heads_want_more = heads && rows.len() as i64 >= heads_share;
     let rest = limit - rows.len() as i64;
     if plain && rest > 0 {
-        let asked = rest + out;
+        let asked = rest;
         let read = state.session.claim_due(&scope, state.cursor, asked).await?;
         let full = read.len() as i64 == asked;
         let last_read = read.last().map(Claimed::cursor);
@@ -285,7 +287,7 @@ async fn claim(state: &mut ClaimerState, limit: i64) -> Result<Vec<Claimed>, Sto
         // The unordered types left room: give it to the ordered heads.
         let room = limit - rows.len() as i64;
         if short && room > 0 && heads_want_more {
-            rows.extend(heads_claim(state, &claim, &scope, room, out).await?);
+            rows.extend(heads_claim(state, &claim, &scope, room).await?);
         }
     }
     rows.sort_unstable_by_key(|c| c.row.id);
@@ -293,19 +295,18 @@ async fn claim(state: &mut ClaimerState, limit: i64) -> Result<Vec<Claimed>, Sto
     Ok(rows)
 }
 
-/// Up to `limit` key heads this relay does not have out, reading `out` more
-/// (the heads it may have out); the key walk goes on after the last one taken,
-/// or after the last one read when every head read was out.
+/// Up to `limit` key heads this relay does not have out (the claim leaves
+/// them out); the key walk goes on after the last one taken, or after the
+/// last one read when every head read had left meanwhile.
 async fn heads_claim(
     state: &mut ClaimerState,
     claim: &ClaimGuard,
     scope: &ClaimScope<'_>,
     limit: i64,
-    out: i64,
 ) -> Result<Vec<Claimed>, StoreError> {
     let read = state
         .session
-        .claim_heads(scope, &state.key_cursor, limit + out)
+        .claim_heads(scope, &state.key_cursor, limit)
         .await?;
     let all_read = key_cursor_after(&state.key_cursor, &read);
     let taken = fresh(claim, read, limit);

@@ -135,6 +135,20 @@ impl InFlight {
         self.lock().per_fence.get(&fence).copied().unwrap_or(0)
     }
 
+    /// The ids of the rows out under `fence`, for a claim to leave out.
+    pub fn ids_of(&self, fence: Fence) -> Vec<i64> {
+        let table = self.lock();
+        if !table.per_fence.contains_key(&fence) {
+            return Vec::new();
+        }
+        table
+            .rows
+            .values()
+            .filter(|held| held.fence == fence)
+            .map(|held| held.id)
+            .collect()
+    }
+
     /// Does any row remain out under `fence`'s tenure?
     pub fn holds_any(&self, fence: Fence) -> bool {
         self.count_of(fence) > 0

@@ -81,6 +81,7 @@ WHERE o.bucket >= (SELECT bucket_lo FROM fence) AND o.bucket < (SELECT bucket_hi
   AND (o.bucket, o.available_at, o.id) > ($3, $4, $5)
   AND (o.locked_until IS NULL OR o.locked_until < now())
   AND NOT (o.event_type LIKE ANY ($6))
+  AND NOT (o.id = ANY ($8))
 ORDER BY o.bucket, o.available_at, o.id
 LIMIT $1"
     ),
@@ -92,6 +93,7 @@ LIMIT $1"
         Type::INT8,
         Type::TEXT_ARRAY,
         Type::INT8,
+        Type::INT8_ARRAY,
     ],
 };
 
@@ -173,6 +175,7 @@ SELECT head.* FROM heads, LATERAL (
       AND o.available_at <= now()
       AND (o.locked_until IS NULL OR o.locked_until < now())
       AND o.event_type LIKE ANY ($3)
+      AND NOT (o.id = ANY ($7))
     OFFSET 0) AS head
 LIMIT $1"
     ),
@@ -183,6 +186,7 @@ LIMIT $1"
         Type::INT2,
         Type::TEXT,
         Type::INT8,
+        Type::INT8_ARRAY,
     ],
 };
 
@@ -355,6 +359,9 @@ pub struct ClaimScope<'a> {
     /// LIKE patterns of the event types an ordered route takes: the plain
     /// claim leaves them out, the key-head claim takes only them.
     pub ordered: &'a [String],
+    /// Rows of the shard the claimer has out (handed out, not yet marked):
+    /// both claims leave them out, so a claim reads only rows it can take.
+    pub out: &'a [i64],
 }
 
 /// A row this relay holds a lease on, with what fences its mark.
@@ -494,6 +501,7 @@ impl Session {
                     &after_id,
                     &scope.ordered,
                     &scope.fence.token,
+                    &scope.out,
                 ],
             )
             .await?;
@@ -521,6 +529,7 @@ impl Session {
                     &key_cursor.0,
                     &key_cursor.1,
                     &scope.fence.token,
+                    &scope.out,
                 ],
             )
             .await?;

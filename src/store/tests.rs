@@ -113,7 +113,18 @@ async fn the_ordered_claim_goes_through_the_primary_key_on_a_fresh_backlog() {
         .unwrap();
     let patterns = vec!["%".to_owned()];
     let plan: Vec<String> = client
-        .query(&stmt, &[&500i64, &0i16, &patterns, &i16::MIN, &"", &1i64])
+        .query(
+            &stmt,
+            &[
+                &500i64,
+                &0i16,
+                &patterns,
+                &i16::MIN,
+                &"",
+                &1i64,
+                &vec![1i64, 2],
+            ],
+        )
         .await
         .unwrap()
         .iter()
@@ -284,4 +295,59 @@ async fn a_reshard_after_leases_that_ended_makes_the_next_owner_wait() {
         .unwrap();
     assert_eq!(taken.len(), 2);
     assert!(taken.iter().all(|t| t.previous.is_none()), "{taken:?}");
+}
+
+/// Both claims leave out the rows the claimer has out, so a claim returns
+/// only rows it can hand out, however many are in flight.
+#[tokio::test]
+async fn claims_leave_out_the_rows_in_flight() {
+    let db = TestDb::new().await.unwrap();
+    let client = db.client().await.unwrap();
+    client
+        .batch_execute(
+            "INSERT INTO outbox (tenant_id, aggregate_type, aggregate_id, event_type, payload, idempotency_key)
+             SELECT gen_random_uuid(), 'order', 'o' || (i % 3), 'order.placed', '{}', 'k' || i
+             FROM generate_series(1, 9) AS i",
+        )
+        .await
+        .unwrap();
+    let store = Store::with_pool(db.pool(2).unwrap());
+    store.reshard(1).await.unwrap();
+    let fence = store
+        .seize_shard(ShardId::new(0), "test", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let mut session = store.session();
+    let ids = |claimed: &[outbox::Claimed]| {
+        let mut ids: Vec<i64> = claimed.iter().map(|c| c.row.id).collect();
+        ids.sort();
+        ids
+    };
+    let scope = |ordered, out| outbox::ClaimScope {
+        fence,
+        ordered,
+        out,
+    };
+    let everything = ids(&session
+        .claim_due(&scope(&[], &[]), outbox::no_cursor(), 100)
+        .await
+        .unwrap());
+    assert_eq!(everything.len(), 9);
+    let out = [everything[0], everything[4], everything[8]];
+    let rest = ids(&session
+        .claim_due(&scope(&[], &out), outbox::no_cursor(), 100)
+        .await
+        .unwrap());
+    assert_eq!(rest.len(), 6);
+    assert!(rest.iter().all(|id| !out.contains(id)), "{rest:?}");
+    // Key heads: ids 1..9 over three keys; the heads are 1, 2 and 3. With
+    // head 1 out, its key has nothing to claim (its next event waits), and
+    // the other two heads come back.
+    let ordered = ["order.%".to_owned()];
+    let first = [everything[0]];
+    let got = ids(&session
+        .claim_heads(&scope(&ordered, &first), &outbox::no_key_cursor(), 100)
+        .await
+        .unwrap());
+    assert_eq!(got, [everything[1], everything[2]]);
 }

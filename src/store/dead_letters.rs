@@ -56,6 +56,20 @@ macro_rules! dead_rows_where {
     };
 }
 
+/// What a replay resets besides the deduplication id: the row is pending,
+/// due now, with no attempt, hold or error of its earlier life.
+macro_rules! replay_resets {
+    () => {
+        "dead_lettered_at = NULL,
+    published_at = NULL,
+    available_at = now(),
+    attempt_count = 0,
+    locked_until = NULL,
+    accepted_at = NULL,
+    last_error = NULL"
+    };
+}
+
 const LIST: &str = concat!(
     "SELECT id, event_type, partition_key, attempt_count, dead_lettered_at, last_error
 FROM outbox WHERE ",
@@ -92,13 +106,9 @@ const REPLAY_BATCH: &str = concat!(
 )
 UPDATE outbox o
 SET idempotency_key = k.base || ':replay:' || k.n,
-    dead_lettered_at = NULL,
-    published_at = NULL,
-    available_at = now(),
-    attempt_count = 0,
-    locked_until = NULL,
-    accepted_at = NULL,
-    last_error = NULL
+    ",
+    replay_resets!(),
+    "
 FROM keyed k
 WHERE o.id = k.id
 RETURNING o.id, o.idempotency_key"
@@ -116,16 +126,14 @@ FOR UPDATE"
 
 const KEY_TAKEN: &str = "SELECT EXISTS (SELECT 1 FROM outbox WHERE idempotency_key = $1)";
 
-const REPLAY_ONE: &str = "UPDATE outbox
+const REPLAY_ONE: &str = concat!(
+    "UPDATE outbox
 SET idempotency_key = $2,
-    dead_lettered_at = NULL,
-    published_at = NULL,
-    available_at = now(),
-    attempt_count = 0,
-    locked_until = NULL,
-    accepted_at = NULL,
-    last_error = NULL
-WHERE id = $1";
+    ",
+    replay_resets!(),
+    "
+WHERE id = $1"
+);
 
 const PURGE_BATCH: &str = concat!(
     "DELETE FROM outbox WHERE id IN (

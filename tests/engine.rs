@@ -600,6 +600,17 @@ async fn replayed_dead_letters_are_published_again_with_new_dedup_ids() {
     );
 }
 
+/// Every row's id, bucket and version (`xmin`): a rewrite changes the version.
+async fn row_versions(client: &tokio_postgres::Client) -> Vec<(i64, i16, String)> {
+    client
+        .query("SELECT id, bucket, xmin::text FROM outbox ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_shard_count_is_the_databases_and_reshard_changes_it() {
     let db = common::test_db().await;
@@ -617,13 +628,7 @@ async fn the_shard_count_is_the_databases_and_reshard_changes_it() {
         "{text}"
     );
     let client = db.client().await.unwrap();
-    let rows_before: Vec<(i64, i16, String)> = client
-        .query("SELECT id, bucket, xmin::text FROM outbox ORDER BY id", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2)))
-        .collect();
+    let rows_before = row_versions(&client).await;
     let before = outbox_relay::store::Store::for_command(&db.url)
         .unwrap()
         .reshard(3)
@@ -632,13 +637,7 @@ async fn the_shard_count_is_the_databases_and_reshard_changes_it() {
     assert_eq!(before, 8);
     // No row was rewritten (same version of every row), and the three
     // shards' ranges cover the buckets without gap or overlap.
-    let rows_after: Vec<(i64, i16, String)> = client
-        .query("SELECT id, bucket, xmin::text FROM outbox ORDER BY id", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2)))
-        .collect();
+    let rows_after = row_versions(&client).await;
     assert_eq!(rows_after, rows_before);
     let ranges: Vec<(i16, i16, i16)> = client
         .query(

@@ -37,23 +37,14 @@ async fn a_delivery_that_fails_every_retry_comes_back_as_a_dead_letter() {
     .await
     .unwrap();
     // The failure callback, served as the daemon serves it.
-    let callback_addr = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let callback_addr = free_addr();
     let callback_url = format!("http://{callback_addr}{}", callback::FAILURE_PATH);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let _server = callback::serve(
+    let stop = serve_callbacks(
+        &db,
         callback_addr,
-        outbox_relay::store::Store::with_pool(common::pool(&db, 2)),
-        Verifier::new(DEV_CURRENT_SIGNING_KEY, Some(DEV_NEXT_SIGNING_KEY)),
         CallbackOptions::new([callback_url.clone()]),
-        async {
-            let _ = stopped.await;
-        },
     )
-    .await
-    .unwrap();
+    .await;
     let routes = format!(
         r#"
         [[routes]]
@@ -134,25 +125,11 @@ async fn ordered_through_qstash(callbacks: bool) -> outbox_testkit::sink::Destin
     })
     .await
     .unwrap();
-    let callback_addr = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let callback_addr = free_addr();
     let callback_url = format!("http://{callback_addr}{}", callback::CALLBACK_PATH);
     let mut options = CallbackOptions::new(Vec::<String>::new());
     options.callback_urls = vec![callback_url.clone()];
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let _server = callback::serve(
-        callback_addr,
-        outbox_relay::store::Store::with_pool(common::pool(&db, 2)),
-        Verifier::new(DEV_CURRENT_SIGNING_KEY, Some(DEV_NEXT_SIGNING_KEY)),
-        options,
-        async {
-            let _ = stopped.await;
-        },
-    )
-    .await
-    .unwrap();
+    let stop = serve_callbacks(&db, callback_addr, options).await;
     let ordering = if callbacks {
         format!("ordering = \"partition_key\"\n        callback = \"{callback_url}\"")
     } else {
@@ -172,15 +149,8 @@ async fn ordered_through_qstash(callbacks: bool) -> outbox_testkit::sink::Destin
     insert_events(&db, keys * 6, keys).await;
     // A route taking callbacks needs the listener they come to, and the key
     // that verifies them.
-    let toml = common::config_toml(&db, &sink.url(), &routes)
-        .replace(
-            "metrics_bind = \"127.0.0.1:0\"",
-            &format!("metrics_bind = \"127.0.0.1:0\"\n        callback_bind = \"{callback_addr}\""),
-        )
-        .replace(
-            "[qstash]",
-            &format!("[qstash]\n        current_signing_key = \"{DEV_CURRENT_SIGNING_KEY}\""),
-        );
+    let toml = common::config_toml(&db, &sink.url(), &routes);
+    let toml = with_callback_listener(&toml, callback_addr);
     let cfg = outbox_relay::Config::from_toml_str(&toml).unwrap();
     let relay = Relay::start(cfg).await.unwrap();
     let delivered = || {
@@ -240,10 +210,7 @@ async fn a_callback_that_never_comes_dead_letters_after_the_last_hold_in_key_ord
     let sink = Sink::start(SinkConfig::for_tests(common::TOKEN))
         .await
         .unwrap();
-    let callback_addr = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
+    let callback_addr = free_addr();
     let routes = format!(
         r#"
         [[routes]]
@@ -258,15 +225,8 @@ async fn a_callback_that_never_comes_dead_letters_after_the_last_hold_in_key_ord
     let keys = 2;
     insert_events(&db, keys * 2, keys).await;
     let toml = common::config_toml(&db, &sink.url(), &routes)
-        .replace("max_attempts = 5", "max_attempts = 2")
-        .replace(
-            "metrics_bind = \"127.0.0.1:0\"",
-            &format!("metrics_bind = \"127.0.0.1:0\"\n        callback_bind = \"{callback_addr}\""),
-        )
-        .replace(
-            "[qstash]",
-            &format!("[qstash]\n        current_signing_key = \"{DEV_CURRENT_SIGNING_KEY}\""),
-        );
+        .replace("max_attempts = 5", "max_attempts = 2");
+    let toml = with_callback_listener(&toml, callback_addr);
     let relay = Relay::start(outbox_relay::Config::from_toml_str(&toml).unwrap())
         .await
         .unwrap();
@@ -279,8 +239,6 @@ async fn a_callback_that_never_comes_dead_letters_after_the_last_hold_in_key_ord
             == (keys * 2) as i64
     })
     .await;
-    // Time for a send that should not happen.
-    tokio::time::sleep(Duration::from_millis(800)).await;
     relay.shutdown().await;
     assert!(settled, "rows were not dead-lettered");
     let errors = db
@@ -336,4 +294,48 @@ async fn a_callback_that_never_comes_dead_letters_after_the_last_hold_in_key_ord
             first_of_second - last_of_first
         );
     }
+}
+
+/// A loopback address nothing listens on yet.
+fn free_addr() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// The callback endpoints served on `addr` as the daemon serves them, until
+/// the returned sender is used or dropped.
+async fn serve_callbacks(
+    db: &outbox_testkit::TestDb,
+    addr: std::net::SocketAddr,
+    options: CallbackOptions,
+) -> tokio::sync::oneshot::Sender<()> {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    callback::serve(
+        addr,
+        outbox_relay::store::Store::with_pool(common::pool(db, 2)),
+        Verifier::new(DEV_CURRENT_SIGNING_KEY, Some(DEV_NEXT_SIGNING_KEY)),
+        options,
+        async {
+            let _ = stopped.await;
+        },
+    )
+    .await
+    .unwrap();
+    stop
+}
+
+/// The test config `toml` with the callback listener on `addr` and the key
+/// that verifies the stand-in's callbacks: what a route taking delivery
+/// callbacks needs.
+fn with_callback_listener(toml: &str, addr: std::net::SocketAddr) -> String {
+    toml.replace(
+        "metrics_bind = \"127.0.0.1:0\"",
+        &format!("metrics_bind = \"127.0.0.1:0\"\n        callback_bind = \"{addr}\""),
+    )
+    .replace(
+        "[qstash]",
+        &format!("[qstash]\n        current_signing_key = \"{DEV_CURRENT_SIGNING_KEY}\""),
+    )
 }

@@ -33,9 +33,8 @@ pub struct InFlight {
 #[derive(Debug, Default)]
 struct Table {
     rows: HashMap<i64, Held>,
-    /// Rows per tenure, so a claim knows how many of what it reads are
-    /// already out.
-    per_fence: HashMap<Fence, usize>,
+    /// The ids out per tenure, which a claim of that tenure leaves out.
+    per_fence: HashMap<Fence, HashSet<i64>>,
     /// When each running claim started (a count per instant).
     claims: BTreeMap<Instant, usize>,
     /// Rows whose lease was dropped while a claim ran, by when: kept until
@@ -46,14 +45,17 @@ struct Table {
 impl Table {
     fn insert(&mut self, held: Held) {
         if let Some(old) = self.rows.insert(held.id, held) {
-            self.forget_count(old.fence);
+            self.forget(old);
         }
-        *self.per_fence.entry(held.fence).or_default() += 1;
+        self.per_fence
+            .entry(held.fence)
+            .or_default()
+            .insert(held.id);
     }
 
     fn remove(&mut self, id: i64) {
         if let Some(old) = self.rows.remove(&id) {
-            self.forget_count(old.fence);
+            self.forget(old);
         }
     }
 
@@ -70,11 +72,11 @@ impl Table {
         }
     }
 
-    fn forget_count(&mut self, fence: Fence) {
-        if let Some(n) = self.per_fence.get_mut(&fence) {
-            *n -= 1;
-            if *n == 0 {
-                self.per_fence.remove(&fence);
+    fn forget(&mut self, held: Held) {
+        if let Some(ids) = self.per_fence.get_mut(&held.fence) {
+            ids.remove(&held.id);
+            if ids.is_empty() {
+                self.per_fence.remove(&held.fence);
             }
         }
     }
@@ -132,21 +134,16 @@ impl InFlight {
 
     /// How many rows are out under `fence` (one tenure of one shard).
     pub fn count_of(&self, fence: Fence) -> usize {
-        self.lock().per_fence.get(&fence).copied().unwrap_or(0)
+        self.lock().per_fence.get(&fence).map_or(0, HashSet::len)
     }
 
     /// The ids of the rows out under `fence`, for a claim to leave out.
     pub fn ids_of(&self, fence: Fence) -> Vec<i64> {
-        let table = self.lock();
-        if !table.per_fence.contains_key(&fence) {
-            return Vec::new();
-        }
-        table
-            .rows
-            .values()
-            .filter(|held| held.fence == fence)
-            .map(|held| held.id)
-            .collect()
+        self.lock()
+            .per_fence
+            .get(&fence)
+            .map(|ids| ids.iter().copied().collect())
+            .unwrap_or_default()
     }
 
     /// Does any row remain out under `fence`'s tenure?
@@ -315,12 +312,14 @@ mod tests {
         drop(permits);
         assert_eq!(in_flight.count(), 2, "unused permits go back");
         assert_eq!(in_flight.count_of(a.fence()), 1);
+        assert_eq!(in_flight.ids_of(a.fence()), vec![1]);
         assert!(in_flight.holds_any(b.fence()));
         assert!(in_flight.contains(1) && !in_flight.contains(3));
         let claim = in_flight.claim_starts();
         assert_eq!(claim.fresh([1, 2, 3]), HashSet::from([3]));
         drop(a);
         assert_eq!(in_flight.count(), 1);
+        assert!(in_flight.ids_of(held(1, 0, 7).fence).is_empty());
         assert_eq!(in_flight.snapshot(), vec![b.held]);
         // Row 1 left while the claim ran: it may read as pending although
         // marked, so that claim does not hand it out; a later claim does.

@@ -226,11 +226,6 @@ fn drop_expired(
     kept.into_iter().unzip()
 }
 
-/// Turns a sink's outcome into what the marker writes: a retry on the last
-/// allowed attempt dead-letters instead; while the route is paused (`paused`:
-/// until when, and why) a row that was not sent, or failed with the sink
-/// rather than for itself, is deferred without counting the attempt.
-/// (Counting happens in the marker, for the rows whose mark the database took.)
 /// Rows of an ordered QStash route whose last hold ran out with no callback
 /// after QStash took the attempt numbered `relay.max_attempts`: dead-lettered
 /// here, without sending them again. Dead-lettering when QStash takes that
@@ -253,24 +248,27 @@ fn settle_unanswered(
         .into_iter()
         .zip(leases)
         .partition(|(_, lease)| unanswered(lease));
+    let error = format!(
+        "no callback reported the destination's answer within {} of QStash taking attempt {max} of {max} (check routes[].callback and server.callback_bind)",
+        humantime::format_duration(hold)
+    );
     let marked = settled
         .into_iter()
-        .map(|(row, lease)| {
-            let error = format!(
-                "no callback reported the destination's answer within {} of QStash taking attempt {max} of {max} (check routes[].callback and server.callback_bind)",
-                humantime::format_duration(hold)
-            );
-            Marked {
-                mark: dead(&row, DeadReason::Unanswered, error),
-                route: Some(route.index),
-                lease,
-            }
+        .map(|(row, lease)| Marked {
+            mark: dead(&row, DeadReason::Unanswered, error.clone()),
+            route: Some(route.index),
+            lease,
         })
         .collect();
     args.marker.send(marked);
     kept.into_iter().unzip()
 }
 
+/// Turns a sink's outcome into what the marker writes: a retry on the last
+/// allowed attempt dead-letters instead; while the route is paused (`paused`:
+/// until when, and why) a row that was not sent, or failed with the sink
+/// rather than for itself, is deferred without counting the attempt.
+/// (Counting happens in the marker, for the rows whose mark the database took.)
 #[allow(clippy::too_many_arguments)]
 fn decide(
     retry: &RetryPolicy,

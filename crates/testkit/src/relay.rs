@@ -293,19 +293,34 @@ impl RelayCommand {
     /// `<bin> <args…> <subcommand…> --config <file>`, e.g. `["drain", "--json"]`.
     pub fn spawn_with(&self, subcommand: &[&str]) -> Result<RelayProcess, RelayError> {
         let config = self.config.display().to_string();
-        let child = self
-            .command(&[subcommand, &["--config", &config]].concat())?
-            .spawn()
-            .map_err(|source| RelayError::Spawn {
-                bin: self.bin.display().to_string(),
-                source,
-            })?;
+        let mut command = self.command(&[subcommand, &["--config", &config]].concat())?;
+        let child = spawn_when_not_busy(&mut command).map_err(|source| RelayError::Spawn {
+            bin: self.bin.display().to_string(),
+            source,
+        })?;
         let pid = child.id().unwrap_or(0);
         Ok(RelayProcess {
             child,
             pid,
             _config: self.config_file.clone(),
         })
+    }
+}
+
+/// Spawns `command`, again a few times while the kernel says the binary is
+/// being written (ETXTBSY): a binary a test has just written can stay open
+/// for writing a moment in a child another thread of the test process forked
+/// meanwhile. Any other error, or a busy file for a second, is returned.
+fn spawn_when_not_busy(command: &mut Command) -> std::io::Result<Child> {
+    let mut tries = 0;
+    loop {
+        match command.spawn() {
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && tries < 20 => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            other => return other,
+        }
     }
 }
 

@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime};
 use rand::Rng;
 
 /// Longest delay a `Retry-After` may ask for (QStash caps it at one day too).
-pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(86_400);
+pub(crate) const MAX_RETRY_AFTER: Duration = Duration::from_secs(86_400);
 
 /// Exponential backoff with full jitter: a uniform delay in
 /// `[0, min(cap, base · 2^(attempt-1))]`. Jitter spreads a burst of failures
@@ -52,7 +52,7 @@ impl Backoff {
 }
 
 /// `Retry-After: <seconds>` or `Retry-After: <HTTP-date>`.
-pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
+pub(crate) fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
     let value = value.trim();
     if let Ok(secs) = value.parse::<u64>() {
         return Some(Duration::from_secs(secs).min(MAX_RETRY_AFTER));

@@ -23,7 +23,7 @@ pub use crate::sink::http::HttpConfig;
 pub use crate::sink::qstash::config::{BatchSize, PublishMode, QstashConfig, DEFAULT_QSTASH_URL};
 
 /// Environment prefix for every key: `OUTBOX_RELAY_RELAY__SHARDS=4` sets `relay.shards`.
-pub const ENV_PREFIX: &str = "OUTBOX_RELAY_";
+pub(crate) const ENV_PREFIX: &str = "OUTBOX_RELAY_";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {

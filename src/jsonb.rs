@@ -4,7 +4,7 @@
 
 /// Removes the whitespace PostgreSQL's `jsonb` output puts after `:` and `,`,
 /// so the body is compact JSON without a parse and re-encode of the payload.
-pub fn compact_json(text: &str) -> String {
+pub(crate) fn compact_json(text: &str) -> String {
     let bytes = text.as_bytes();
     if !bytes.contains(&b' ') && !bytes.contains(&b'\n') {
         return text.to_owned();
@@ -35,7 +35,7 @@ pub fn compact_json(text: &str) -> String {
 
 /// Parses the `headers` column (a JSON object of strings; validated on enqueue,
 /// but an application may have written anything: non-strings are skipped).
-pub fn parse_headers(text: &str) -> Vec<(String, String)> {
+pub(crate) fn parse_headers(text: &str) -> Vec<(String, String)> {
     if text == "{}" {
         return Vec::new();
     }

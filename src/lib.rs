@@ -16,15 +16,17 @@
 //! signing this engine shares, and lets consumers verify signatures and
 //! handle each event once.
 
-pub mod actors;
+#![warn(unreachable_pub, unnameable_types)]
+
+mod actors;
 pub mod backoff;
 pub mod cli;
 pub mod config;
-pub mod daemon;
+mod daemon;
 pub mod janitor;
-pub mod jsonb;
+mod jsonb;
 pub mod metrics;
-pub mod redact;
+mod redact;
 pub mod relay;
 pub mod routes;
 pub mod server;
@@ -33,6 +35,9 @@ pub mod store;
 #[cfg(test)]
 mod testing;
 
+pub use actors::supervisor::ShutdownReport;
+pub use actors::CountersSnapshot;
 pub use config::Config;
 pub use daemon::run_until_signal;
+pub use redact::{HttpUrl, Secret};
 pub use relay::{DrainReport, Relay};

@@ -10,7 +10,7 @@ use std::str::FromStr;
 use percent_encoding::percent_decode_str;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-pub const REDACTED: &str = "<redacted>";
+pub(crate) const REDACTED: &str = "<redacted>";
 
 /// Parameter and keyword names (lower-case substrings) whose values are hidden.
 const SECRET_NAMES: &[&str] = &[
@@ -34,7 +34,7 @@ fn is_secret_name(name: &str) -> bool {
 
 /// A database URL or libpq keyword string, fit to print: the user name is
 /// kept, every password is hidden.
-pub fn database_url(dsn: &str) -> String {
+pub(crate) fn database_url(dsn: &str) -> String {
     if dsn.contains("://") {
         redact_url(dsn, false)
     } else {
@@ -45,12 +45,12 @@ pub fn database_url(dsn: &str) -> String {
 /// An HTTP URL fit to print: a password in it is hidden, and so is a bare
 /// user name (`https://TOKEN@host` carries a token that way); so are the
 /// values of secret-looking query parameters.
-pub fn url(url: &str) -> String {
+pub(crate) fn url(url: &str) -> String {
     redact_url(url, true)
 }
 
 /// `message` with every occurrence of `url` replaced by [`url`]'s redacted form.
-pub fn url_in(message: &str, raw: &str) -> String {
+pub(crate) fn url_in(message: &str, raw: &str) -> String {
     if raw.is_empty() {
         return message.to_owned();
     }

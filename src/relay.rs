@@ -45,7 +45,7 @@ impl RelayError {
     /// The database could not be reached or dropped the connection (as
     /// opposed to a configuration or schema problem, or an error the server
     /// reported): worth trying again.
-    pub fn is_transient(&self) -> bool {
+    pub(crate) fn is_transient(&self) -> bool {
         matches!(self, RelayError::Store(e) if e.is_transient())
     }
 }
@@ -84,7 +84,7 @@ pub struct DrainReport {
 
 /// How long after publishers stop starting requests every request has ended
 /// (answered or cut off by `http.request_timeout`) and its outcome is marked.
-pub fn requests_end_within(config: &Config) -> Duration {
+pub(crate) fn requests_end_within(config: &Config) -> Duration {
     config.http.request_timeout + config.relay.mark_interval + Duration::from_secs(1)
 }
 
@@ -240,7 +240,7 @@ impl Relay {
     }
 
     /// The live counters (for the readiness sampler).
-    pub fn counters_handle(&self) -> Arc<Counters> {
+    pub(crate) fn counters_handle(&self) -> Arc<Counters> {
         Arc::clone(&self.counters)
     }
 
@@ -276,7 +276,7 @@ impl Relay {
     }
 
     /// True while the actor tree runs (false after it gave up on a crash loop).
-    pub fn is_running(&self) -> bool {
+    pub(crate) fn is_running(&self) -> bool {
         matches!(
             self.supervisor.get_status(),
             ActorStatus::Running | ActorStatus::Starting | ActorStatus::Upgrading
@@ -326,7 +326,7 @@ impl Relay {
     /// scheduled for later do not hold it up: a row whose producer set a
     /// future `available_at`, or whose retry is due further off than
     /// `relay.backoff_cap`, is left for the next run and reported.
-    pub async fn drain_started(
+    pub(crate) async fn drain_started(
         self,
         max_duration: Option<Duration>,
         started: Instant,

@@ -16,6 +16,8 @@
 //! file. The sink, the relay child process and the throwaway PostgreSQL
 //! cluster are the workspace's test kit (`crates/testkit`, `outbox_testkit`).
 
+#![warn(unreachable_pub)]
+
 pub mod adversarial;
 pub mod ceiling;
 pub mod metrics;

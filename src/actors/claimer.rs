@@ -36,7 +36,7 @@ use outbox_client::row::OutboxRow;
 const WAKE_COALESCE: Duration = Duration::from_millis(1);
 
 #[derive(Debug)]
-pub enum ClaimerMsg {
+pub(crate) enum ClaimerMsg {
     /// Claim now.
     Claim,
     /// New rows may be ready (the listener saw the id sequence move).
@@ -47,7 +47,7 @@ pub enum ClaimerMsg {
 
 /// How claims are made.
 #[derive(Debug, Clone)]
-pub struct ClaimSettings {
+pub(crate) struct ClaimSettings {
     /// Rows one claim takes at most (`relay.claim_batch`).
     pub batch: usize,
     /// How long a claimed row is ours (`relay.lease`).
@@ -62,7 +62,7 @@ pub struct ClaimSettings {
 
 /// What every claimer works with, whatever its shard.
 #[derive(Clone)]
-pub struct ClaimerContext {
+pub(crate) struct ClaimerContext {
     pub store: Store,
     pub settings: ClaimSettings,
     pub in_flight: Arc<InFlight>,
@@ -73,9 +73,9 @@ pub struct ClaimerContext {
     pub counters: Arc<Counters>,
 }
 
-pub struct Claimer;
+pub(crate) struct Claimer;
 
-pub struct ClaimerArgs {
+pub(crate) struct ClaimerArgs {
     /// The shard and this replica's tenure of it.
     pub fence: Fence,
     /// The first claim waits until then (the shard was not handed over
@@ -84,7 +84,7 @@ pub struct ClaimerArgs {
     pub cx: ClaimerContext,
 }
 
-pub struct ClaimerState {
+pub(crate) struct ClaimerState {
     fence: Fence,
     cx: ClaimerContext,
     session: Session,
@@ -390,11 +390,11 @@ fn dispatch(cx: &ClaimerContext, leased: Vec<(OutboxRow, Lease)>) {
 }
 
 /// Asks for a shard's claimer to be started again a little later.
-pub type RetryStart = Arc<dyn Fn(ShardId) + Send + Sync>;
+pub(crate) type RetryStart = Arc<dyn Fn(ShardId) + Send + Sync>;
 
 /// The claimers of the shards this replica holds.
 #[derive(Clone)]
-pub struct Claimers(Arc<ClaimersInner>);
+pub(crate) struct Claimers(Arc<ClaimersInner>);
 
 struct ClaimersInner {
     cx: ClaimerContext,
@@ -415,7 +415,7 @@ struct Running {
 }
 
 impl Claimers {
-    pub fn new(cx: ClaimerContext) -> Claimers {
+    pub(crate) fn new(cx: ClaimerContext) -> Claimers {
         Claimers(Arc::new(ClaimersInner {
             cx,
             supervisor: OnceLock::new(),
@@ -433,7 +433,7 @@ impl Claimers {
     /// Runs a claimer for `fence` (stopping the one of an older tenure of the
     /// shard first), claiming from `not_before` on. When it cannot be started
     /// it is tried again shortly.
-    pub async fn start(&self, fence: Fence, not_before: Option<Instant>) {
+    pub(crate) async fn start(&self, fence: Fence, not_before: Option<Instant>) {
         let _changing = self.0.changing.lock().await;
         let old = self.0.running_mut().insert(
             fence.shard,
@@ -451,7 +451,7 @@ impl Claimers {
 
     /// Stops the claimer of `fence`'s tenure, if that is the one running, and
     /// waits for it; a newer tenure's claimer is left running.
-    pub async fn stop(&self, fence: Fence) {
+    pub(crate) async fn stop(&self, fence: Fence) {
         let _changing = self.0.changing.lock().await;
         let actor = {
             let mut running = self.0.running_mut();
@@ -468,7 +468,7 @@ impl Claimers {
     }
 
     /// Stops every claimer (shutdown).
-    pub async fn stop_all(&self) {
+    pub(crate) async fn stop_all(&self) {
         let _changing = self.0.changing.lock().await;
         let actors: Vec<_> = self
             .0
@@ -482,7 +482,7 @@ impl Claimers {
     }
 
     /// New rows may be ready.
-    pub fn wake_all(&self) {
+    pub(crate) fn wake_all(&self) {
         for r in self.0.running().values() {
             if let Some(actor) = &r.actor {
                 let _ = actor.cast(ClaimerMsg::Wake);
@@ -526,13 +526,6 @@ impl Claimers {
             .get(&fence.shard)
             .filter(|r| r.token == fence.token)
             .and_then(|r| r.not_before)
-    }
-
-    /// Shards with a claimer wanted.
-    pub fn shards(&self) -> Vec<ShardId> {
-        let mut v: Vec<ShardId> = self.0.running().keys().copied().collect();
-        v.sort_unstable();
-        v
     }
 
     /// Spawns the claimer of `fence` (its entry made by the caller, who holds

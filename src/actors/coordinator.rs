@@ -28,7 +28,7 @@ use crate::metrics as m;
 use crate::store::shards::Replica;
 use crate::store::{Fence, Session, ShardId, Store, StoreError};
 
-pub enum CoordinatorMsg {
+pub(crate) enum CoordinatorMsg {
     /// A round: renew, count replicas, take or hand over shards.
     Tick,
     /// A handover finished winding the tenure down: give the lease back.
@@ -40,7 +40,7 @@ pub enum CoordinatorMsg {
 }
 
 #[derive(Clone)]
-pub struct CoordinatorArgs {
+pub(crate) struct CoordinatorArgs {
     pub store: Store,
     pub me: Replica,
     /// `relay.shard_lease`.
@@ -52,9 +52,9 @@ pub struct CoordinatorArgs {
     pub winddown: Winddown,
 }
 
-pub struct Coordinator;
+pub(crate) struct Coordinator;
 
-pub struct CoordinatorState {
+pub(crate) struct CoordinatorState {
     args: CoordinatorArgs,
     session: Session,
     /// Tenures on their way out, until the lease is given back.
@@ -247,7 +247,7 @@ async fn round(
 /// Shards for the replica `me` among `live` (sorted): an even split, the first
 /// `shards % n` replicas taking one more. `me` counts even if its heartbeat is
 /// not visible yet.
-pub fn fair_share(shards: usize, live: &[String], me: &str) -> usize {
+pub(crate) fn fair_share(shards: usize, live: &[String], me: &str) -> usize {
     let mut live: Vec<&str> = live.iter().map(String::as_str).collect();
     if !live.contains(&me) {
         live.push(me);

@@ -24,7 +24,7 @@ use crate::store::ShardId;
 const PERMIT_WAIT: Duration = Duration::from_millis(100);
 
 #[derive(Debug)]
-pub struct InFlight {
+pub(crate) struct InFlight {
     permits: Arc<Semaphore>,
     max: usize,
     table: Mutex<Table>,
@@ -83,7 +83,7 @@ impl Table {
 }
 
 impl InFlight {
-    pub fn new(max: usize) -> Arc<InFlight> {
+    pub(crate) fn new(max: usize) -> Arc<InFlight> {
         Arc::new(InFlight {
             permits: Arc::new(Semaphore::new(max)),
             max,
@@ -92,7 +92,7 @@ impl InFlight {
     }
 
     /// Rows claimed and not yet marked (permits out).
-    pub fn count(&self) -> usize {
+    pub(crate) fn count(&self) -> usize {
         self.max.saturating_sub(self.permits.available_permits())
     }
 
@@ -100,7 +100,7 @@ impl InFlight {
     /// quarter batch: a claim costs about the same for 1 row as for 500, so
     /// claiming as soon as one permit frees up would spend the database on
     /// tiny claims exactly when the relay is busiest. `None` when none is free.
-    pub async fn permits(&self, batch: usize) -> Option<Permits> {
+    pub(crate) async fn permits(&self, batch: usize) -> Option<Permits> {
         let semaphore = &self.permits;
         let chunk = (batch / 4).max(1) as u32;
         let mut permit = match semaphore.clone().try_acquire_many_owned(chunk) {
@@ -128,17 +128,18 @@ impl InFlight {
     }
 
     /// Every row held.
-    pub fn snapshot(&self) -> Vec<Held> {
+    #[cfg(test)]
+    fn snapshot(&self) -> Vec<Held> {
         self.lock().rows.values().copied().collect()
     }
 
     /// How many rows are out under `fence` (one tenure of one shard).
-    pub fn count_of(&self, fence: Fence) -> usize {
+    pub(crate) fn count_of(&self, fence: Fence) -> usize {
         self.lock().per_fence.get(&fence).map_or(0, HashSet::len)
     }
 
     /// The ids of the rows out under `fence`, for a claim to leave out.
-    pub fn ids_of(&self, fence: Fence) -> Vec<i64> {
+    pub(crate) fn ids_of(&self, fence: Fence) -> Vec<i64> {
         self.lock()
             .per_fence
             .get(&fence)
@@ -147,14 +148,14 @@ impl InFlight {
     }
 
     /// Does any row remain out under `fence`'s tenure?
-    pub fn holds_any(&self, fence: Fence) -> bool {
+    pub(crate) fn holds_any(&self, fence: Fence) -> bool {
         self.count_of(fence) > 0
     }
 
     /// A claim begins: until the returned guard drops, rows that leave the
     /// table are remembered, so [`ClaimGuard::fresh`] can tell a row whose
     /// outcome was written during the claim.
-    pub fn claim_starts(self: &Arc<Self>) -> ClaimGuard {
+    pub(crate) fn claim_starts(self: &Arc<Self>) -> ClaimGuard {
         let started = Instant::now();
         *self.lock().claims.entry(started).or_default() += 1;
         ClaimGuard {
@@ -164,16 +165,18 @@ impl InFlight {
     }
 
     /// Is row `id` out now?
-    pub fn contains(&self, id: i64) -> bool {
+    #[cfg(test)]
+    fn contains(&self, id: i64) -> bool {
         self.lock().rows.contains_key(&id)
     }
 
     /// Rows in the table (may briefly differ from [`InFlight::count`]).
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.lock().rows.len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
@@ -183,16 +186,21 @@ impl InFlight {
 }
 
 /// Permits taken for a claim; one goes to each claimed row, the rest back.
-pub struct Permits(OwnedSemaphorePermit);
+pub(crate) struct Permits(OwnedSemaphorePermit);
 
 impl Permits {
-    pub fn count(&self) -> usize {
+    pub(crate) fn count(&self) -> usize {
         self.0.num_permits()
     }
 
     /// The hold of one claimed row on the relay; a publisher drops it
     /// unsent after `expires`.
-    pub fn lease(&mut self, held: Held, expires: Instant, in_flight: &Arc<InFlight>) -> Lease {
+    pub(crate) fn lease(
+        &mut self,
+        held: Held,
+        expires: Instant,
+        in_flight: &Arc<InFlight>,
+    ) -> Lease {
         let permit = self.0.split(1).expect("one permit per claimed row");
         in_flight.lock().insert(held);
         Lease {
@@ -209,7 +217,7 @@ impl Permits {
 /// [`InFlight`]. Dropping it, after the mark or with a crashed actor's state,
 /// gives both back.
 #[derive(Debug)]
-pub struct Lease {
+pub(crate) struct Lease {
     pub held: Held,
     /// How long the row may wait for a publisher (the claim's start plus
     /// `relay.lease`); after that it is put back unsent and read again.
@@ -221,17 +229,17 @@ pub struct Lease {
 }
 
 impl Lease {
-    pub fn id(&self) -> i64 {
+    pub(crate) fn id(&self) -> i64 {
         self.held.id
     }
 
     /// The attempt this delivery is, counting from 1 (one more than the
     /// attempts the row records).
-    pub fn attempt(&self) -> i32 {
+    pub(crate) fn attempt(&self) -> i32 {
         self.held.attempt + 1
     }
 
-    pub fn fence(&self) -> Fence {
+    pub(crate) fn fence(&self) -> Fence {
         self.held.fence
     }
 }
@@ -250,7 +258,7 @@ impl Drop for Lease {
 }
 
 /// A claim in progress (see [`InFlight::claim_starts`]).
-pub struct ClaimGuard {
+pub(crate) struct ClaimGuard {
     in_flight: Arc<InFlight>,
     started: Instant,
 }
@@ -259,7 +267,7 @@ impl ClaimGuard {
     /// Of the rows this claim read, those to hand out: not out now, and not
     /// out at any time since the claim started (such a row may read as
     /// pending although its outcome is written).
-    pub fn fresh(&self, ids: impl IntoIterator<Item = i64>) -> HashSet<i64> {
+    pub(crate) fn fresh(&self, ids: impl IntoIterator<Item = i64>) -> HashSet<i64> {
         let table = self.in_flight.lock();
         let since: HashSet<i64> = table
             .left

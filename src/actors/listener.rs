@@ -28,17 +28,17 @@ use crate::store::probe::{Probe, Reading};
 use crate::store::{reconnect_delay, StoreError};
 
 /// Probe interval while rows are arriving.
-pub const PROBE_BUSY: Duration = Duration::from_millis(1);
+pub(crate) const PROBE_BUSY: Duration = Duration::from_millis(1);
 /// Longest probe interval when nothing moves: the added latency of the first
 /// row after a quiet spell.
-pub const PROBE_IDLE: Duration = Duration::from_millis(10);
+pub(crate) const PROBE_IDLE: Duration = Duration::from_millis(10);
 /// How long the listener waits for the transactions that were running when
 /// the sequence moved, waking the claimers at growing intervals meanwhile.
 const SETTLE_FOR: Duration = Duration::from_secs(1);
 const FIRST_SETTLE_WAKE: Duration = Duration::from_millis(4);
 
 #[derive(Clone)]
-pub struct ListenerArgs {
+pub(crate) struct ListenerArgs {
     /// The database, for a connection of its own.
     pub url: String,
     pub connect_timeout: Duration,
@@ -46,9 +46,9 @@ pub struct ListenerArgs {
     pub wake: Wake,
 }
 
-pub struct Listener;
+pub(crate) struct Listener;
 
-pub struct ListenerState {
+pub(crate) struct ListenerState {
     task: JoinHandle<()>,
 }
 
@@ -90,7 +90,7 @@ async fn listen_forever(args: ListenerArgs) {
 
 /// When to wake the claimers and how long to sleep, from successive readings.
 #[derive(Debug)]
-pub struct Schedule {
+pub(crate) struct Schedule {
     last: Option<Option<i64>>,
     /// The sequence moved at the previous probe: take the horizon now (the
     /// inserting transaction surely has its id by then).
@@ -121,7 +121,7 @@ impl Default for Schedule {
 
 impl Schedule {
     /// Takes a reading; returns whether to wake the claimers and when to probe next.
-    pub fn observe(&mut self, r: Reading, now: Instant) -> (bool, Duration) {
+    pub(crate) fn observe(&mut self, r: Reading, now: Instant) -> (bool, Duration) {
         let moved = self.last.is_some_and(|last| last != r.position);
         self.last = Some(r.position);
         let mut wake = moved;

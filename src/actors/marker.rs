@@ -23,7 +23,7 @@ use crate::store::{Session, Store};
 
 /// What the marker writes for a row.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Mark {
+pub(crate) enum Mark {
     Published,
     Retry {
         delay: Duration,
@@ -76,14 +76,14 @@ impl Mark {
 
 /// A row's outcome on its way to the marker.
 #[derive(Debug)]
-pub struct Marked {
+pub(crate) struct Marked {
     pub lease: Lease,
     pub mark: Mark,
     /// The route's index, for metric labels; `None` when no route matched.
     pub route: Option<usize>,
 }
 
-pub enum MarkerMsg {
+pub(crate) enum MarkerMsg {
     Outcomes(Vec<Marked>),
     /// The flush timer fired.
     Flush,
@@ -92,12 +92,12 @@ pub enum MarkerMsg {
 }
 
 /// How long the marker may take to write before a caller stops waiting.
-pub const FLUSH_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const FLUSH_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The marker, as the claimers, publishers and the shutdown see it: the
 /// supervisor puts each new marker in the slot.
 #[derive(Clone, Default)]
-pub struct MarkerPort(Arc<Slot<MarkerMsg>>);
+pub(crate) struct MarkerPort(Arc<Slot<MarkerMsg>>);
 
 impl MarkerPort {
     pub(crate) fn slot(&self) -> &Slot<MarkerMsg> {
@@ -106,7 +106,7 @@ impl MarkerPort {
 
     /// Hands outcomes over. When the marker is restarting they are lost and
     /// their rows' leases expire: claimed again, delivered again.
-    pub fn send(&self, marked: Vec<Marked>) {
+    pub(crate) fn send(&self, marked: Vec<Marked>) {
         match self.0.get() {
             Some(marker) => {
                 if let Err(e) = marker.cast(MarkerMsg::Outcomes(marked)) {
@@ -121,7 +121,7 @@ impl MarkerPort {
     }
 
     /// Writes what the marker holds now; false when it did not confirm.
-    pub async fn flush(&self) -> bool {
+    pub(crate) async fn flush(&self) -> bool {
         let Some(marker) = self.0.get() else {
             return false;
         };
@@ -132,10 +132,10 @@ impl MarkerPort {
     }
 }
 
-pub struct Marker;
+pub(crate) struct Marker;
 
 #[derive(Clone)]
-pub struct MarkerArgs {
+pub(crate) struct MarkerArgs {
     pub store: Store,
     /// Flush after this many outcomes...
     pub batch: usize,
@@ -150,7 +150,7 @@ pub struct MarkerArgs {
     pub after_flush: Option<Wake>,
 }
 
-pub struct MarkerState {
+pub(crate) struct MarkerState {
     args: MarkerArgs,
     session: Session,
     pending: Vec<Marked>,

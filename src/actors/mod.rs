@@ -16,15 +16,15 @@
 //! Rows a crashed actor held are not tracked: their leases expire and they
 //! are claimed again.
 
-pub mod claimer;
-pub mod coordinator;
-pub mod inflight;
-pub mod listener;
-pub mod marker;
-pub mod ownership;
-pub mod publisher;
-pub mod supervisor;
-pub mod winddown;
+pub(crate) mod claimer;
+pub(crate) mod coordinator;
+pub(crate) mod inflight;
+pub(crate) mod listener;
+pub(crate) mod marker;
+pub(crate) mod ownership;
+pub(crate) mod publisher;
+pub(crate) mod supervisor;
+pub(crate) mod winddown;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -32,11 +32,11 @@ use std::sync::{Arc, RwLock};
 use ractor::ActorRef;
 
 /// Something to call when new rows may be ready: wakes the claimers.
-pub type Wake = Arc<dyn Fn() + Send + Sync>;
+pub(crate) type Wake = Arc<dyn Fn() + Send + Sync>;
 
 /// The current actor of one kind, replaced by the supervisor when it restarts
 /// the actor; senders look it up on every send.
-pub struct Slot<M>(RwLock<Option<ActorRef<M>>>);
+pub(crate) struct Slot<M>(RwLock<Option<ActorRef<M>>>);
 
 impl<M> Default for Slot<M> {
     fn default() -> Self {
@@ -45,7 +45,7 @@ impl<M> Default for Slot<M> {
 }
 
 impl<M> Slot<M> {
-    pub fn get(&self) -> Option<ActorRef<M>> {
+    pub(crate) fn get(&self) -> Option<ActorRef<M>> {
         self.0.read().expect("slot lock").clone()
     }
 
@@ -56,7 +56,7 @@ impl<M> Slot<M> {
 
 /// Totals since start, for `drain`'s summary and readiness.
 #[derive(Debug, Default)]
-pub struct Counters {
+pub(crate) struct Counters {
     pub claimed: AtomicU64,
     pub published: AtomicU64,
     pub retried: AtomicU64,
@@ -80,7 +80,7 @@ pub struct CountersSnapshot {
 }
 
 impl Counters {
-    pub fn snapshot(&self) -> CountersSnapshot {
+    pub(crate) fn snapshot(&self) -> CountersSnapshot {
         CountersSnapshot {
             claimed: self.claimed.load(Ordering::Relaxed),
             published: self.published.load(Ordering::Relaxed),
@@ -95,12 +95,12 @@ impl Counters {
 
 /// A test's choice of rows, by content.
 #[cfg(test)]
-pub type RowPredicate = Arc<dyn Fn(&outbox_client::row::OutboxRow) -> bool + Send + Sync>;
+pub(crate) type RowPredicate = Arc<dyn Fn(&outbox_client::row::OutboxRow) -> bool + Send + Sync>;
 
 /// Fault injection for tests of the recovery path.
 #[cfg(test)]
 #[derive(Clone, Default)]
-pub struct Hooks {
+pub(crate) struct Hooks {
     /// A publisher handed a row for which this returns true panics.
     pub publisher_panics_on: Option<RowPredicate>,
 }

@@ -10,12 +10,12 @@ use std::time::Instant;
 use crate::store::{Fence, ShardId};
 
 #[derive(Debug, Default)]
-pub struct Ownership {
+pub(crate) struct Ownership {
     shards: Mutex<HashMap<ShardId, Tenure>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Tenure {
+pub(crate) struct Tenure {
     pub token: i64,
     pub until: Instant,
     /// False once the shard is on its way out (handover, shutdown): the lease
@@ -24,7 +24,7 @@ pub struct Tenure {
 }
 
 impl Tenure {
-    pub fn new(token: i64, until: Instant) -> Tenure {
+    pub(crate) fn new(token: i64, until: Instant) -> Tenure {
         Tenure {
             token,
             until,
@@ -36,18 +36,18 @@ impl Tenure {
 impl Ownership {
     /// May a request for a row claimed under `fence` start now: is it still
     /// this replica's tenure, not over, and not on its way out?
-    pub fn holds(&self, fence: Fence) -> bool {
+    pub(crate) fn holds(&self, fence: Fence) -> bool {
         self.lock()
             .get(&fence.shard)
             .is_some_and(|t| t.token == fence.token && t.sending && t.until > Instant::now())
     }
 
-    pub fn set(&self, shard: ShardId, tenure: Tenure) {
+    pub(crate) fn set(&self, shard: ShardId, tenure: Tenure) {
         self.lock().insert(shard, tenure);
     }
 
     /// Extends the tenure under `fence` (keeping whether it still sends).
-    pub fn renew(&self, fence: Fence, until: Instant) {
+    pub(crate) fn renew(&self, fence: Fence, until: Instant) {
         if let Some(t) = self
             .lock()
             .get_mut(&fence.shard)
@@ -59,7 +59,7 @@ impl Ownership {
 
     /// No request starts for the tenure's rows from now on (it is being
     /// handed over); `None` stops every shard (shutdown).
-    pub fn stop_sending(&self, fence: Option<Fence>) {
+    pub(crate) fn stop_sending(&self, fence: Option<Fence>) {
         for (s, t) in self.lock().iter_mut() {
             if fence.is_none_or(|f| f.shard == *s && f.token == t.token) {
                 t.sending = false;
@@ -68,7 +68,7 @@ impl Ownership {
     }
 
     /// Removes the tenure if it is still the one under `fence`.
-    pub fn remove_if(&self, fence: Fence) {
+    pub(crate) fn remove_if(&self, fence: Fence) {
         let mut shards = self.lock();
         if shards
             .get(&fence.shard)
@@ -78,12 +78,12 @@ impl Ownership {
         }
     }
 
-    pub fn get(&self, shard: ShardId) -> Option<Tenure> {
+    pub(crate) fn get(&self, shard: ShardId) -> Option<Tenure> {
         self.lock().get(&shard).copied()
     }
 
     /// Tenures held, by shard.
-    pub fn fences(&self) -> Vec<Fence> {
+    pub(crate) fn fences(&self) -> Vec<Fence> {
         let mut v: Vec<Fence> = self
             .lock()
             .iter()
@@ -97,15 +97,17 @@ impl Ownership {
     }
 
     /// Shards held, in order.
-    pub fn shards(&self) -> Vec<ShardId> {
+    pub(crate) fn shards(&self) -> Vec<ShardId> {
         self.fences().into_iter().map(|f| f.shard).collect()
     }
 
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.lock().len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
         self.len() == 0
     }
 

@@ -19,7 +19,7 @@ use crate::sink::{DeadReason, Outcome, RetryReason, Sinks};
 use outbox_client::row::OutboxRow;
 
 #[derive(Debug)]
-pub enum PublisherMsg {
+pub(crate) enum PublisherMsg {
     Publish {
         /// Index into the router's routes.
         route: usize,
@@ -31,7 +31,7 @@ pub enum PublisherMsg {
 /// The pool of publishers, round robin; the supervisor puts each new
 /// publisher in its place.
 #[derive(Clone)]
-pub struct Publishers(Arc<PublishersInner>);
+pub(crate) struct Publishers(Arc<PublishersInner>);
 
 struct PublishersInner {
     slots: RwLock<Vec<Option<ActorRef<PublisherMsg>>>>,
@@ -39,7 +39,7 @@ struct PublishersInner {
 }
 
 impl Publishers {
-    pub fn new(n: usize) -> Publishers {
+    pub(crate) fn new(n: usize) -> Publishers {
         Publishers(Arc::new(PublishersInner {
             slots: RwLock::new(vec![None; n]),
             next: AtomicUsize::new(0),
@@ -47,14 +47,14 @@ impl Publishers {
     }
 
     /// The next live publisher, round robin.
-    pub fn next(&self) -> Option<ActorRef<PublisherMsg>> {
+    pub(crate) fn next(&self) -> Option<ActorRef<PublisherMsg>> {
         let slots = self.0.slots.read().expect("publishers lock");
         let n = slots.len();
         let start = self.0.next.fetch_add(1, Ordering::Relaxed);
         (0..n).find_map(|i| slots[(start + i) % n].clone())
     }
 
-    pub fn all(&self) -> Vec<ActorRef<PublisherMsg>> {
+    pub(crate) fn all(&self) -> Vec<ActorRef<PublisherMsg>> {
         let slots = self.0.slots.read().expect("publishers lock");
         slots.iter().flatten().cloned().collect()
     }
@@ -66,15 +66,15 @@ impl Publishers {
 
 /// How failed attempts are retried.
 #[derive(Debug, Clone)]
-pub struct RetryPolicy {
+pub(crate) struct RetryPolicy {
     pub backoff: Backoff,
     /// The attempt that reaches this count and fails dead-letters the row.
     pub max_attempts: u32,
 }
 
-pub struct Publisher;
+pub(crate) struct Publisher;
 
-pub struct PublisherArgs {
+pub(crate) struct PublisherArgs {
     pub sinks: Arc<Sinks>,
     pub router: Arc<Router>,
     pub retry: RetryPolicy,
@@ -86,7 +86,7 @@ pub struct PublisherArgs {
     pub hooks: super::Hooks,
 }
 
-pub struct PublisherState {
+pub(crate) struct PublisherState {
     args: Arc<PublisherArgs>,
     rng: rand::rngs::StdRng,
 }

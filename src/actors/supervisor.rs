@@ -23,7 +23,7 @@ use crate::metrics as m;
 use crate::store::ShardId;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Child {
+pub(crate) enum Child {
     Marker,
     Publisher(usize),
     Claimer(ShardId),
@@ -32,7 +32,7 @@ pub enum Child {
 }
 
 impl Child {
-    pub fn label(&self) -> &'static str {
+    pub(crate) fn label(&self) -> &'static str {
         match self {
             Child::Marker => "marker",
             Child::Publisher(_) => "publisher",
@@ -43,7 +43,7 @@ impl Child {
     }
 }
 
-pub enum SupervisorMsg {
+pub(crate) enum SupervisorMsg {
     Respawn(Child),
     Shutdown(RpcReplyPort<ShutdownReport>),
     /// How many times each kind of child was restarted.
@@ -63,7 +63,7 @@ pub struct ShutdownReport {
 
 /// How often a child may fail before the relay gives up.
 #[derive(Debug, Clone, Copy)]
-pub struct RestartBudget {
+pub(crate) struct RestartBudget {
     /// Restarts allowed within `window`...
     pub max: u32,
     pub window: Duration,
@@ -71,7 +71,7 @@ pub struct RestartBudget {
 
 /// Everything the tree is made of: each child's arguments (cloned for each
 /// start) and the handles that point at the live children.
-pub struct SupervisorArgs {
+pub(crate) struct SupervisorArgs {
     pub marker: MarkerArgs,
     pub marker_port: MarkerPort,
     pub publisher: Arc<PublisherArgs>,
@@ -88,9 +88,9 @@ pub struct SupervisorArgs {
     pub counters: Arc<Counters>,
 }
 
-pub struct Supervisor;
+pub(crate) struct Supervisor;
 
-pub struct SupervisorState {
+pub(crate) struct SupervisorState {
     args: SupervisorArgs,
     children: HashMap<ActorId, Child>,
     coordinator: Option<ActorRef<CoordinatorMsg>>,

@@ -17,7 +17,7 @@ use super::ownership::Ownership;
 use crate::store::Fence;
 
 #[derive(Clone)]
-pub struct Winddown {
+pub(crate) struct Winddown {
     pub claimers: Claimers,
     pub ownership: Arc<Ownership>,
     pub in_flight: Arc<InFlight>,
@@ -30,7 +30,7 @@ pub struct Winddown {
 
 /// What a wind-down left.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Wound {
+pub(crate) struct Wound {
     /// Rows still out when the wait ended (their outcome unwritten: the next
     /// owner reads them again).
     pub in_flight_at_deadline: usize,
@@ -39,7 +39,7 @@ pub struct Wound {
 impl Winddown {
     /// Hands one tenure over: afterwards nothing of it is in the air and the
     /// shard is no longer this replica's.
-    pub async fn shard(&self, fence: Fence) -> Wound {
+    pub(crate) async fn shard(&self, fence: Fence) -> Wound {
         self.claimers.stop(fence).await;
         self.ownership.stop_sending(Some(fence));
         let deadline = Instant::now() + self.requests_end_within;
@@ -58,7 +58,7 @@ impl Winddown {
     /// Winds every shard down for the shutdown, waiting `grace` or at least
     /// until every request has ended. The shards stay in [`Ownership`] for
     /// the coordinator to give back.
-    pub async fn all(&self, grace: Duration) -> Wound {
+    pub(crate) async fn all(&self, grace: Duration) -> Wound {
         self.claimers.stop_all().await;
         self.ownership.stop_sending(None);
         let deadline = Instant::now() + grace.max(self.requests_end_within);

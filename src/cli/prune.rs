@@ -44,7 +44,7 @@ pub async fn run_prune(args: PruneArgs, config: Option<&Path>) -> anyhow::Result
     Ok(())
 }
 
-pub fn render_prune(report: &PruneReport, options: &PruneOptions) -> String {
+pub(crate) fn render_prune(report: &PruneReport, options: &PruneOptions) -> String {
     fn line(what: &str, older_than: Duration, t: &TablePrune, batch: u32) -> String {
         format!(
             "{what}: deleted {} rows older than {} (before {}) in {} statements of at most {batch}\n",
@@ -145,7 +145,7 @@ pub async fn run_partitions(
     Ok(())
 }
 
-pub fn render_maintain(report: &MaintainReport) -> String {
+pub(crate) fn render_maintain(report: &MaintainReport) -> String {
     let mut out = String::new();
     for c in &report.changes {
         let what = match c.action {

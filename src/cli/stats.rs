@@ -51,7 +51,7 @@ pub async fn run(args: StatsArgs, config: Option<&Path>) -> anyhow::Result<()> {
 }
 
 /// The report as printed: pretty JSON, or tables.
-pub fn render(report: &Stats, json: bool) -> anyhow::Result<String> {
+pub(crate) fn render(report: &Stats, json: bool) -> anyhow::Result<String> {
     if json {
         return Ok(serde_json::to_string_pretty(report)?);
     }

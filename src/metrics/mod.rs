@@ -11,24 +11,24 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 pub use names::METRIC_NAMES;
 
 // Short names for the hot path; the list of record is [`names`].
-pub const PUBLISHED: &str = names::EVENTS_PUBLISHED_TOTAL;
-pub const RETRIED: &str = names::EVENTS_RETRIED_TOTAL;
-pub const DEAD_LETTERED: &str = names::EVENTS_DEAD_LETTERED_TOTAL;
-pub const CLAIMS: &str = names::CLAIMS_TOTAL;
-pub const ACTOR_RESTARTS: &str = names::ACTOR_RESTARTS_TOTAL;
-pub const MARKS_FENCED: &str = names::MARKS_FENCED_TOTAL;
-pub const SHARD_HANDOVERS: &str = names::SHARD_HANDOVERS_TOTAL;
+pub(crate) const PUBLISHED: &str = names::EVENTS_PUBLISHED_TOTAL;
+pub(crate) const RETRIED: &str = names::EVENTS_RETRIED_TOTAL;
+pub(crate) const DEAD_LETTERED: &str = names::EVENTS_DEAD_LETTERED_TOTAL;
+pub(crate) const CLAIMS: &str = names::CLAIMS_TOTAL;
+pub(crate) const ACTOR_RESTARTS: &str = names::ACTOR_RESTARTS_TOTAL;
+pub(crate) const MARKS_FENCED: &str = names::MARKS_FENCED_TOTAL;
+pub(crate) const SHARD_HANDOVERS: &str = names::SHARD_HANDOVERS_TOTAL;
 pub const SHARDS_OWNED: &str = names::SHARDS_OWNED;
-pub const DEFERRED: &str = names::EVENTS_DEFERRED_TOTAL;
-pub const HELD: &str = names::EVENTS_HELD_TOTAL;
-pub const CALLBACKS: &str = names::CALLBACKS_TOTAL;
-pub const ROUTE_PAUSES: &str = names::ROUTE_PAUSES_TOTAL;
-pub const ROUTE_PAUSED: &str = names::ROUTE_PAUSED;
-pub const MARKS_FAILED: &str = names::MARKS_FAILED_TOTAL;
+pub(crate) const DEFERRED: &str = names::EVENTS_DEFERRED_TOTAL;
+pub(crate) const HELD: &str = names::EVENTS_HELD_TOTAL;
+pub(crate) const CALLBACKS: &str = names::CALLBACKS_TOTAL;
+pub(crate) const ROUTE_PAUSES: &str = names::ROUTE_PAUSES_TOTAL;
+pub(crate) const ROUTE_PAUSED: &str = names::ROUTE_PAUSED;
+pub(crate) const MARKS_FAILED: &str = names::MARKS_FAILED_TOTAL;
 pub const IN_FLIGHT: &str = names::IN_FLIGHT;
-pub const PUBLISH_DURATION: &str = names::PUBLISH_DURATION_SECONDS;
+pub(crate) const PUBLISH_DURATION: &str = names::PUBLISH_DURATION_SECONDS;
 pub const BATCH_SIZE: &str = names::BATCH_SIZE;
-pub const COMMIT_TO_ACK: &str = names::COMMIT_TO_ACK_SECONDS;
+pub(crate) const COMMIT_TO_ACK: &str = names::COMMIT_TO_ACK_SECONDS;
 
 /// Milliseconds to minutes.
 const SECONDS_BUCKETS: &[f64] = &[
@@ -121,10 +121,10 @@ fn describe() {
     );
 }
 
-pub fn record_commit_to_ack(age: Duration) {
+pub(crate) fn record_commit_to_ack(age: Duration) {
     histogram!(COMMIT_TO_ACK).record(age.as_secs_f64());
 }
 
-pub fn count_actor_restart(actor: &'static str) {
+pub(crate) fn count_actor_restart(actor: &'static str) {
     counter!(ACTOR_RESTARTS, "actor" => actor).increment(1);
 }

@@ -69,7 +69,7 @@ pub const EVENTS_HELD_TOTAL: &str = "outbox_relay_events_held_total";
 /// failed: dead-lettered), `stale` (about an attempt the row is no longer on).
 pub const CALLBACKS_TOTAL: &str = "outbox_relay_callbacks_total";
 /// Gauge, label `route`: 1 while the route is paused by its circuit breaker.
-pub const ROUTE_PAUSED: &str = "outbox_relay_route_paused";
+pub(crate) const ROUTE_PAUSED: &str = "outbox_relay_route_paused";
 /// Gauge: shards this replica holds a lease on.
 pub const SHARDS_OWNED: &str = "outbox_relay_shards_owned";
 /// Gauge: pending rows (not published, not dead-lettered).

@@ -123,7 +123,7 @@ impl RouteConfig {
 
     /// How long a delivery QStash took is held for its callback, for a route
     /// that waits for one.
-    pub fn callback_hold(&self) -> Option<Duration> {
+    pub(crate) fn callback_hold(&self) -> Option<Duration> {
         self.callback.as_ref().map(|_| self.callback_timeout)
     }
 

@@ -60,7 +60,7 @@ pub struct Template {
 }
 
 /// The fields of an event a template can name.
-pub struct TemplateValues<'a> {
+pub(crate) struct TemplateValues<'a> {
     pub id: i64,
     pub event_type: &'a str,
     pub aggregate_type: &'a str,
@@ -111,7 +111,7 @@ impl Template {
         &self.source
     }
 
-    pub fn render(&self, v: &TemplateValues<'_>) -> String {
+    pub(crate) fn render(&self, v: &TemplateValues<'_>) -> String {
         let mut out = String::with_capacity(64);
         for part in &self.parts {
             match part {
@@ -201,7 +201,7 @@ impl Router {
     /// ordered route. Used by the claim to keep keys in order; it errs on the
     /// side of ordering (a type also matched by an earlier unordered route
     /// is still held in order).
-    pub fn ordered_like_patterns(&self) -> Vec<String> {
+    pub(crate) fn ordered_like_patterns(&self) -> Vec<String> {
         self.routes
             .iter()
             .filter(|r| r.ordered())

@@ -44,23 +44,23 @@ pub const FAILURE_PATH: &str = "/qstash/failure";
 pub const CALLBACK_PATH: &str = "/qstash/callback";
 
 /// `last_error` keeps this many characters of the destination's answer.
-pub const MAX_ERROR_BODY_CHARS: usize = 2000;
+pub(crate) const MAX_ERROR_BODY_CHARS: usize = 2000;
 
 /// Reports carry the original message and the response, both base64: room
 /// for a 1 MB message and a 1 MB response.
-pub const DEFAULT_MAX_REPORT_BYTES: usize = 4 * 1024 * 1024;
+pub(crate) const DEFAULT_MAX_REPORT_BYTES: usize = 4 * 1024 * 1024;
 
 /// How long a client may take to send a report's body.
-pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Reports handled at once; more are answered 503 (QStash retries them).
-pub const DEFAULT_MAX_CONCURRENT: usize = 8;
+pub(crate) const DEFAULT_MAX_CONCURRENT: usize = 8;
 
 /// Connections open at once; more wait to be accepted.
-pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
+pub(crate) const DEFAULT_MAX_CONNECTIONS: usize = 64;
 
 /// A connection on which nothing moves for this long is closed.
-pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Header names (lowercase) that carry the outbox row id, in order of trust.
 const ID_HEADERS: &[&str] = &["x-outbox-id", "x-event-id"];

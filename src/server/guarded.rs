@@ -20,14 +20,14 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 
-pub struct GuardedListener {
+pub(crate) struct GuardedListener {
     inner: TcpListener,
     slots: Arc<Semaphore>,
     idle_timeout: Duration,
 }
 
 impl GuardedListener {
-    pub fn new(
+    pub(crate) fn new(
         inner: TcpListener,
         max_connections: usize,
         idle_timeout: Duration,
@@ -65,7 +65,7 @@ impl Listener for GuardedListener {
 }
 
 /// A connection that holds one slot until it is dropped.
-pub struct GuardedIo {
+pub(crate) struct GuardedIo {
     stream: TcpStream,
     _slot: OwnedSemaphorePermit,
     idle_timeout: Duration,
@@ -138,7 +138,7 @@ impl AsyncWrite for GuardedIo {
 
 /// Serves `router` on `addr` through a [`GuardedListener`] until `shutdown`
 /// resolves.
-pub async fn serve(
+pub(crate) async fn serve(
     addr: SocketAddr,
     router: axum::Router,
     max_connections: usize,

@@ -3,5 +3,5 @@
 //! its own, since it must face the internet.
 
 pub mod callback;
-pub mod guarded;
+pub(crate) mod guarded;
 pub mod ops;

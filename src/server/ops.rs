@@ -91,7 +91,7 @@ pub async fn serve(
 }
 
 /// Serves `router` on `listener` in a task until `shutdown` resolves.
-pub fn spawn_server<L>(
+pub(crate) fn spawn_server<L>(
     listener: L,
     router: Router,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
@@ -113,7 +113,7 @@ where
 /// Every `interval`: samples the backlog gauges (one query), and decides
 /// readiness: is the database reachable, and is delivery moving? Not ready when the oldest pending row is older than `max_pending_age` and
 /// nothing was delivered since the previous check.
-pub async fn sample_forever(
+pub(crate) async fn sample_forever(
     store: Store,
     counters: Arc<Counters>,
     readiness: Arc<Mutex<Readiness>>,

@@ -18,7 +18,7 @@ use crate::metrics as m;
 
 /// Requests in a row that fail (5xx, timeouts, broken connections,
 /// unreadable answers) without one success before the route pauses...
-pub const FAILING_REQUESTS: u32 = 5;
+pub(crate) const FAILING_REQUESTS: u32 = 5;
 /// ...when they carried at least this many different events. Fewer events
 /// failing again and again while nothing else is sent look like poison
 /// events (a handler that crashes on them), which spend their own attempts
@@ -27,17 +27,17 @@ pub const FAILING_EVENTS: usize = 10;
 /// The first pause; each failed probe doubles it, up to the breaker's longest
 /// pause: half the row lease, within [`PAUSE_MIN`] and [`PAUSE_MAX`], so a
 /// sink that comes back is probed again well within a lease.
-pub const PAUSE_MIN: Duration = Duration::from_secs(1);
-pub const PAUSE_MAX: Duration = Duration::from_secs(60);
+pub(crate) const PAUSE_MIN: Duration = Duration::from_secs(1);
+pub(crate) const PAUSE_MAX: Duration = Duration::from_secs(60);
 
 /// The longest pause for a relay whose row lease is `lease`.
-pub fn longest_pause(lease: Duration) -> Duration {
+pub(crate) fn longest_pause(lease: Duration) -> Duration {
     (lease / 2).clamp(PAUSE_MIN, PAUSE_MAX)
 }
 
 /// What a delivery's outcomes say about the sink.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Health {
+pub(crate) enum Health {
     /// The sink answered about the messages themselves (accepted, or refused
     /// one message for its content).
     Up,
@@ -55,7 +55,7 @@ pub enum Health {
 }
 
 /// Reads a delivery's outcomes.
-pub fn health(outcomes: &[Outcome]) -> Health {
+pub(crate) fn health(outcomes: &[Outcome]) -> Health {
     let mut down: Option<Health> = None;
     let mut failing: Option<String> = None;
     for outcome in outcomes {
@@ -103,7 +103,7 @@ pub fn health(outcomes: &[Outcome]) -> Health {
 
 /// May a delivery go ahead?
 #[derive(Debug, Clone, PartialEq)]
-pub enum Admit {
+pub(crate) enum Admit {
     Send,
     /// The route is paused until then: defer the rows.
     Paused {
@@ -142,7 +142,7 @@ impl State {
 }
 
 #[derive(Debug)]
-pub struct Breaker {
+pub(crate) struct Breaker {
     route: String,
     /// A probe that never reports (its publisher crashed) is given up after this.
     probe_timeout: Duration,
@@ -151,7 +151,7 @@ pub struct Breaker {
 }
 
 impl Breaker {
-    pub fn new(route: &str, request_timeout: Duration, longest_pause: Duration) -> Breaker {
+    pub(crate) fn new(route: &str, request_timeout: Duration, longest_pause: Duration) -> Breaker {
         gauge!(m::ROUTE_PAUSED, "route" => route.to_owned()).set(0.0);
         Breaker {
             route: route.to_owned(),
@@ -161,7 +161,7 @@ impl Breaker {
         }
     }
 
-    pub fn admit(&self, now: Instant) -> Admit {
+    pub(crate) fn admit(&self, now: Instant) -> Admit {
         let mut state = self.state.lock().expect("breaker lock");
         match &*state {
             State::Closed { .. } => Admit::Send,
@@ -203,7 +203,12 @@ impl Breaker {
 
     /// Takes what a delivery of the events `ids` found out; returns when the
     /// route is paused until (with the reason) if it is paused now.
-    pub fn record(&self, health: Health, ids: &[i64], now: Instant) -> Option<(Instant, String)> {
+    pub(crate) fn record(
+        &self,
+        health: Health,
+        ids: &[i64],
+        now: Instant,
+    ) -> Option<(Instant, String)> {
         let mut state = self.state.lock().expect("breaker lock");
         let last_pause = match &*state {
             State::Open { pause, .. } | State::Probing { pause, .. } => Some(*pause),
@@ -274,7 +279,7 @@ impl Breaker {
     }
 
     /// When the route is paused and no probe is due, until when.
-    pub fn paused_until(&self, now: Instant) -> Option<Instant> {
+    pub(crate) fn paused_until(&self, now: Instant) -> Option<Instant> {
         match &*self.state.lock().expect("breaker lock") {
             State::Open { until, .. } if *until > now => Some(*until),
             _ => None,
@@ -284,12 +289,12 @@ impl Breaker {
 
 /// One breaker per route, by route index.
 #[derive(Debug, Default)]
-pub struct Breakers {
+pub(crate) struct Breakers {
     routes: Vec<Breaker>,
 }
 
 impl Breakers {
-    pub fn new(
+    pub(crate) fn new(
         names: impl IntoIterator<Item = String>,
         request_timeout: Duration,
         lease: Duration,
@@ -302,13 +307,13 @@ impl Breakers {
         }
     }
 
-    pub fn route(&self, index: usize) -> &Breaker {
+    pub(crate) fn route(&self, index: usize) -> &Breaker {
         &self.routes[index]
     }
 
     /// When every route is paused: the earliest end of a pause (claiming
     /// before then would only put rows back).
-    pub fn all_paused_until(&self, now: Instant) -> Option<Instant> {
+    pub(crate) fn all_paused_until(&self, now: Instant) -> Option<Instant> {
         if self.routes.is_empty() {
             return None;
         }

@@ -52,7 +52,7 @@ fn more_than_zero<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error>
     Ok(timeout)
 }
 
-pub type HttpsClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+pub(crate) type HttpsClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
 
 /// An answer from the destination, body cut to the configured size.
 #[derive(Debug, Clone)]
@@ -124,7 +124,7 @@ impl HttpClient {
     }
 
     /// Like [`HttpClient::send`], reading up to `limit` bytes of the answer.
-    pub async fn send_reading(
+    pub(crate) async fn send_reading(
         &self,
         request: Request<Full<Bytes>>,
         limit: usize,
@@ -182,7 +182,7 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 /// Records how long a sink request took (a timeout counts as its limit).
-pub fn record_request(sink: &'static str, result: &Result<Response, TransportError>) {
+pub(crate) fn record_request(sink: &'static str, result: &Result<Response, TransportError>) {
     let elapsed = match result {
         Ok(r) => r.elapsed,
         Err(TransportError::Timeout(d)) => *d,

@@ -93,7 +93,7 @@ pub enum DeadReason {
 impl DeadReason {
     /// The sink answered about this message (rather than the relay giving up
     /// on it before sending).
-    pub fn reached_sink(&self) -> bool {
+    pub(crate) fn reached_sink(&self) -> bool {
         matches!(self, DeadReason::Rejected)
     }
 
@@ -110,7 +110,7 @@ impl DeadReason {
 }
 
 /// Longest `last_error` we store.
-pub const MAX_ERROR_CHARS: usize = 2000;
+pub(crate) const MAX_ERROR_CHARS: usize = 2000;
 
 /// Bounds an error text to `max_chars` and makes it safe to store and read:
 /// control characters (NUL included, which PostgreSQL refuses in `text`)
@@ -144,7 +144,7 @@ pub fn truncate(s: String, max_chars: usize) -> String {
 
 /// A response body as a readable, bounded text: the text itself when it is
 /// mostly text, else a line that says what it was (compressed or binary).
-pub fn body_text(body: &[u8], max_chars: usize) -> String {
+pub(crate) fn body_text(body: &[u8], max_chars: usize) -> String {
     // Enough bytes for `max_chars` characters of any width; the rest is never read.
     let head = &body[..body.len().min(max_chars * 4)];
     let text = String::from_utf8_lossy(head);
@@ -169,7 +169,7 @@ pub fn body_text(body: &[u8], max_chars: usize) -> String {
 }
 
 /// The usual reading of an HTTP answer.
-pub fn classify(response: &Response) -> Outcome {
+pub(crate) fn classify(response: &Response) -> Outcome {
     let status = response.status;
     if status.is_success() {
         return Outcome::Published;
@@ -206,7 +206,7 @@ pub fn classify(response: &Response) -> Outcome {
 /// How long an answer asks us to wait: the longest of `Retry-After` and
 /// QStash's quota resets (`RateLimit-Reset` for the daily quota,
 /// `Burst-RateLimit-Reset` for the per-second one), capped at a day.
-pub fn wait_asked(headers: &::http::HeaderMap, now: SystemTime) -> Option<Duration> {
+pub(crate) fn wait_asked(headers: &::http::HeaderMap, now: SystemTime) -> Option<Duration> {
     let value = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
     let retry_after = value("retry-after").and_then(|v| parse_retry_after(v, now));
     let resets = ["ratelimit-reset", "burst-ratelimit-reset"]
@@ -217,7 +217,7 @@ pub fn wait_asked(headers: &::http::HeaderMap, now: SystemTime) -> Option<Durati
 
 /// A rate-limit reset: a unix time in seconds (or milliseconds), or, when
 /// too small to be one, a number of seconds from now.
-pub fn parse_reset(value: &str, now: SystemTime) -> Option<Duration> {
+pub(crate) fn parse_reset(value: &str, now: SystemTime) -> Option<Duration> {
     let n: f64 = value.trim().parse().ok()?;
     if !n.is_finite() || n < 0.0 {
         return None;
@@ -236,7 +236,7 @@ pub fn parse_reset(value: &str, now: SystemTime) -> Option<Duration> {
     Some(Duration::from_secs_f64(secs.max(0.0)).min(crate::backoff::MAX_RETRY_AFTER))
 }
 
-pub fn transport_outcome(e: &TransportError) -> Outcome {
+pub(crate) fn transport_outcome(e: &TransportError) -> Outcome {
     Outcome::Retry {
         after: None,
         reason: match e {
@@ -283,7 +283,7 @@ pub fn destination(route: &Route, row: &OutboxRow) -> Result<String, Outcome> {
 }
 
 /// Every sink the routes use, sharing one client, with a circuit breaker per route.
-pub struct Sinks {
+pub(crate) struct Sinks {
     pub client: HttpClient,
     pub qstash: qstash::QstashSink,
     pub max_message_bytes: usize,
@@ -292,7 +292,7 @@ pub struct Sinks {
 
 impl Sinks {
     /// Delivers rows that all belong to `route`; one outcome per row, in order.
-    pub async fn deliver(&self, route: &Route, rows: &[OutboxRow]) -> Vec<Outcome> {
+    pub(crate) async fn deliver(&self, route: &Route, rows: &[OutboxRow]) -> Vec<Outcome> {
         match route.config.sink {
             SinkKind::Qstash => {
                 self.qstash

@@ -10,8 +10,8 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::StoreError;
 
-pub type Tls = MakeRustlsConnect;
-pub type Manager = PostgresConnectionManager<Tls>;
+pub(crate) type Tls = MakeRustlsConnect;
+pub(crate) type Manager = PostgresConnectionManager<Tls>;
 pub type Pool = bb8::Pool<Manager>;
 pub type PooledConn = bb8::PooledConnection<'static, Manager>;
 

@@ -42,7 +42,7 @@ impl Selection {
 }
 
 /// Rows one replay or purge statement touches.
-pub const BATCH: i64 = 500;
+pub(crate) const BATCH: i64 = 500;
 
 /// The part of every statement that picks dead rows. `$1` ids (NULL: any),
 /// `$2` event type, `$3`/`$4` dead-lettered from (inclusive) / until (exclusive).
@@ -245,7 +245,7 @@ impl Store {
     }
 
     /// How many dead rows `selector` picks.
-    pub async fn count_dead(&self, selector: &Selection) -> Result<i64, StoreError> {
+    pub(crate) async fn count_dead(&self, selector: &Selection) -> Result<i64, StoreError> {
         selector.check()?;
         let filter = FilterParams::of(selector);
         Ok(self

@@ -86,7 +86,7 @@ const MIGRATION_LOCK: i64 = 0x6f75_7462_6f78_6d69;
 
 /// How long a step waits for a table lock before it gives up and retries.
 /// Producers whose inserts queue behind the waiting lock wait at most this.
-pub const LOCK_TIMEOUT: Duration = Duration::from_millis(200);
+pub(crate) const LOCK_TIMEOUT: Duration = Duration::from_millis(200);
 
 /// How long a step keeps retrying for its lock before the run fails.
 const LOCK_RETRY_FOR: Duration = Duration::from_secs(600);
@@ -114,14 +114,14 @@ impl Migration {
     }
 
     /// The migration's steps, in order.
-    pub fn steps(&self) -> Vec<Step> {
+    pub(crate) fn steps(&self) -> Vec<Step> {
         parse_steps(self.sql)
     }
 }
 
 /// One unit of a migration (see the module documentation).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Step {
+pub(crate) enum Step {
     Transaction(String),
     Batches(String),
     Index { name: String, sql: String },

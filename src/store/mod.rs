@@ -83,7 +83,7 @@ impl From<bb8::RunError<tokio_postgres::Error>> for StoreError {
 impl StoreError {
     /// The database could not be reached or dropped the connection (as
     /// opposed to an error the server reported): worth trying again.
-    pub fn is_transient(&self) -> bool {
+    pub(crate) fn is_transient(&self) -> bool {
         match self {
             StoreError::PoolTimeout => true,
             StoreError::Postgres(e) => e.as_db_error().is_none(),
@@ -93,7 +93,7 @@ impl StoreError {
 
     /// PostgreSQL refused the values sent (SQLSTATE classes 22 data
     /// exception, 23 integrity, 54 program limit), not the connection.
-    pub fn is_data_error(&self) -> bool {
+    pub(crate) fn is_data_error(&self) -> bool {
         match self {
             StoreError::Postgres(e) => e
                 .as_db_error()
@@ -117,7 +117,7 @@ pub struct ShardId(i16);
 
 impl ShardId {
     /// The most shards an outbox can be split into.
-    pub const MAX_SHARDS: u32 = 1024;
+    pub(crate) const MAX_SHARDS: u32 = 1024;
 
     /// `n` must be below [`ShardId::MAX_SHARDS`].
     pub fn new(n: u32) -> ShardId {
@@ -288,7 +288,7 @@ impl Session {
 }
 
 /// The backoff after `failures` failures in a row.
-pub fn reconnect_delay(failures: u32) -> Duration {
+pub(crate) fn reconnect_delay(failures: u32) -> Duration {
     let ms = 50u64.saturating_mul(1 << failures.min(7));
     Duration::from_millis(ms.min(5_000))
 }

@@ -301,10 +301,10 @@ FROM target t";
 
 /// Buckets rows are hashed into (`migrations/0007_buckets.sql`); a shard is
 /// a range of them.
-pub const BUCKETS: u32 = 4096;
+pub(crate) const BUCKETS: u32 = 4096;
 
 /// `(bucket, available_at, id)`: where a plain claim goes on from.
-pub type Cursor = (i16, DateTime<Utc>, i64);
+pub(crate) type Cursor = (i16, DateTime<Utc>, i64);
 
 /// Where a claim starts when there is no cursor: the beginning of the shard.
 pub fn no_cursor() -> Cursor {
@@ -430,7 +430,7 @@ pub struct Written {
 
 /// How far the drain has come.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DrainState {
+pub(crate) struct DrainState {
     /// Pending rows due now (or retrying within the horizon asked for).
     pub due: i64,
     pub pending: i64,
@@ -451,7 +451,7 @@ pub enum DeliveryOutcome {
 
 /// What a delivery callback's mark found.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ReportedOutcome {
+pub(crate) enum ReportedOutcome {
     Marked,
     /// No such row.
     Unknown,
@@ -466,7 +466,7 @@ pub enum ReportedOutcome {
 
 /// What a failure callback's mark found.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ReportedDead {
+pub(crate) enum ReportedDead {
     /// The row was dead-lettered (or already was).
     Marked,
     /// No such row.
@@ -603,7 +603,7 @@ impl Session {
 
 impl Store {
     /// How far a drain has come; a retry due within `horizon` counts as due.
-    pub async fn drain_state(&self, horizon: Duration) -> Result<DrainState, StoreError> {
+    pub(crate) async fn drain_state(&self, horizon: Duration) -> Result<DrainState, StoreError> {
         let horizon_ms = horizon.as_millis() as i64;
         let row = self
             .conn()
@@ -619,7 +619,7 @@ impl Store {
 
     /// QStash reports it gave up delivering row `id` under `deduplication_id`:
     /// dead-letter it with `error`, unless the row has moved on since.
-    pub async fn reported_dead(
+    pub(crate) async fn reported_dead(
         &self,
         id: i64,
         error: &str,
@@ -654,7 +654,7 @@ impl Store {
     /// QStash's delivery callback for row `id` under `deduplication_id`:
     /// write the destination's answer on the held row, unless the row has
     /// moved on since.
-    pub async fn reported_outcome(
+    pub(crate) async fn reported_outcome(
         &self,
         id: i64,
         deduplication_id: &str,

@@ -15,7 +15,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::Client;
 
 /// The optional schema script, applied by [`init`].
-pub const PARTITIONED_OUTBOX_SQL: &str =
+pub(crate) const PARTITIONED_OUTBOX_SQL: &str =
     include_str!("../../migrations/optional/partitioned_outbox.sql");
 
 const PARTITION_PREFIX: &str = "outbox_p";

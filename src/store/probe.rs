@@ -25,7 +25,7 @@ const PROBE_MAX_ID: &str = "SELECT (SELECT max(id) FROM outbox),
 
 /// One probe's reading.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Reading {
+pub(crate) struct Reading {
     /// The sequence's last value (or the highest id).
     pub position: Option<i64>,
     /// The oldest transaction still running.
@@ -36,7 +36,7 @@ pub struct Reading {
 
 /// A dedicated connection with the probe prepared on it; the connection's
 /// driver stops when this is dropped.
-pub struct Probe {
+pub(crate) struct Probe {
     client: Client,
     statement: Statement,
     sequence: Option<u32>,
@@ -44,7 +44,7 @@ pub struct Probe {
 }
 
 impl Probe {
-    pub async fn connect(url: &str, connect_timeout: Duration) -> Result<Probe, StoreError> {
+    pub(crate) async fn connect(url: &str, connect_timeout: Duration) -> Result<Probe, StoreError> {
         let mut config = conn::parse_url(url)?;
         config.connect_timeout(connect_timeout);
         config.application_name("outbox-relay listener");
@@ -79,7 +79,7 @@ impl Probe {
         }
     }
 
-    pub async fn read(&self) -> Result<Reading, StoreError> {
+    pub(crate) async fn read(&self) -> Result<Reading, StoreError> {
         let row = match self.sequence {
             Some(oid) => self.client.query_one(&self.statement, &[&oid]).await?,
             None => self.client.query_one(&self.statement, &[]).await?,

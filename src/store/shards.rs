@@ -137,7 +137,7 @@ impl Replica {
 }
 
 /// This machine's name, for `stats` and the default replica name.
-pub fn hostname() -> String {
+pub(crate) fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
         .map(|s| s.trim().to_owned())
@@ -159,7 +159,11 @@ fn millis(d: Duration) -> i64 {
 
 impl Session {
     /// Says this replica is alive for `alive_for` more.
-    pub async fn heartbeat(&mut self, me: &Replica, alive_for: Duration) -> Result<(), StoreError> {
+    pub(crate) async fn heartbeat(
+        &mut self,
+        me: &Replica,
+        alive_for: Duration,
+    ) -> Result<(), StoreError> {
         self.conn()
             .await?
             .execute(
@@ -172,7 +176,7 @@ impl Session {
 
     /// Extends the leases held under `tokens` by `lease`; the tenures still
     /// held. A token not returned was lost.
-    pub async fn renew(
+    pub(crate) async fn renew(
         &mut self,
         me: &Replica,
         lease: Duration,
@@ -193,7 +197,7 @@ impl Session {
     }
 
     /// The replicas alive now, by name; forgets those gone for long.
-    pub async fn live_replicas(&mut self) -> Result<Vec<String>, StoreError> {
+    pub(crate) async fn live_replicas(&mut self) -> Result<Vec<String>, StoreError> {
         let conn = self.conn().await?;
         let live = conn
             .query(LIVE, &[])
@@ -239,7 +243,7 @@ impl Session {
     }
 
     /// Gives the leases held under `tokens` back.
-    pub async fn give_back(&mut self, tokens: &[i64]) -> Result<(), StoreError> {
+    pub(crate) async fn give_back(&mut self, tokens: &[i64]) -> Result<(), StoreError> {
         self.conn().await?.execute(GIVE_BACK, &[&tokens]).await?;
         Ok(())
     }
@@ -261,7 +265,7 @@ impl Store {
     }
 
     /// The newest migration applied, `None` when there is no schema.
-    pub async fn schema_version(&self) -> Result<Option<i32>, StoreError> {
+    pub(crate) async fn schema_version(&self) -> Result<Option<i32>, StoreError> {
         match self.conn().await?.query_one(SCHEMA_VERSION, &[]).await {
             Ok(row) => Ok(row.get(0)),
             Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => {
@@ -272,7 +276,7 @@ impl Store {
     }
 
     /// The newest migration this binary knows.
-    pub fn latest_schema() -> i32 {
+    pub(crate) fn latest_schema() -> i32 {
         migrate::MIGRATIONS
             .iter()
             .map(|m| m.version)

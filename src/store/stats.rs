@@ -28,7 +28,7 @@ use tokio_postgres::{Client, GenericClient, IsolationLevel};
 use super::{Store, StoreError};
 
 /// Pending rows with more failed attempts than this count as flapping.
-pub const FLAPPING_ATTEMPTS: i32 = 3;
+pub(crate) const FLAPPING_ATTEMPTS: i32 = 3;
 
 /// The gauges, sampled at one instant.
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -15,6 +15,8 @@
 //! - [`signing`]: Standard Webhooks signing, shared by the relay's webhook sink
 //!   and the verifier.
 
+#![warn(unreachable_pub)]
+
 pub mod consumer;
 pub mod producer;
 pub mod row;

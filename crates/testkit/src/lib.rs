@@ -16,6 +16,8 @@
 //! of the engine's types. A database gets the relay's schema from the caller
 //! ([`TestDb::with_setup`] with the engine's migrations).
 
+#![warn(unreachable_pub)]
+
 pub mod postgres;
 pub mod relay;
 pub mod sink;

@@ -58,7 +58,7 @@ pub struct QstashSink {
 
 /// Room for one message's answer in a batch answer (a message id, or a URL
 /// group's list of them, is about a hundred bytes).
-pub const ANSWER_BYTES_PER_MESSAGE: usize = 1024;
+pub(crate) const ANSWER_BYTES_PER_MESSAGE: usize = 1024;
 
 /// Headers that carry the relay's own guarantees: a row cannot set them.
 const RELAY_HEADERS: &[&str] = &[
@@ -167,7 +167,10 @@ impl QstashSink {
 
     /// `POST /v2/publish/{destination}`; the destination is not percent-encoded,
     /// as the SDK sends it.
-    pub fn publish_request(&self, message: &Message) -> Result<Request<Full<Bytes>>, Outcome> {
+    pub(crate) fn publish_request(
+        &self,
+        message: &Message,
+    ) -> Result<Request<Full<Bytes>>, Outcome> {
         let mut builder = Request::builder()
             .method(Method::POST)
             .uri(format!("{}/v2/publish/{}", self.base, message.destination))
@@ -344,7 +347,7 @@ fn flow_control(route: &Route, row: &OutboxRow) -> Option<(String, String)> {
 /// as published only when its own element says so; an answer that cannot be
 /// read, is of the wrong length or holds anything else is retried (under the
 /// same deduplication id, so nothing is published twice).
-pub fn batch_outcomes(body: &[u8], expected: usize) -> Vec<Outcome> {
+pub(crate) fn batch_outcomes(body: &[u8], expected: usize) -> Vec<Outcome> {
     let items = match serde_json::from_slice::<serde_json::Value>(body) {
         Ok(serde_json::Value::Array(items)) if items.len() == expected => items,
         Ok(serde_json::Value::Array(items)) => {
@@ -366,7 +369,7 @@ pub fn batch_outcomes(body: &[u8], expected: usize) -> Vec<Outcome> {
 }
 
 /// A 2xx answer to `/v2/publish`: published only when it names the message.
-pub fn publish_outcome(response: &super::Response) -> Outcome {
+pub(crate) fn publish_outcome(response: &super::Response) -> Outcome {
     if response.truncated {
         return unreadable("the publish answer is over the size limit".into());
     }

@@ -185,11 +185,11 @@ const GARBLES: [Garble; 6] = [
 ];
 
 impl Garble {
-    pub fn draw(f: &mut FaultState) -> Garble {
+    pub(crate) fn draw(f: &mut FaultState) -> Garble {
         GARBLES[f.pick(GARBLES.len())]
     }
 
-    pub fn as_str(&self) -> &'static str {
+    pub(crate) fn as_str(&self) -> &'static str {
         match self {
             Garble::Truncated => "garbled_truncated",
             Garble::NulBytes => "garbled_nul_bytes",

@@ -548,7 +548,7 @@ pub(crate) struct Deliverer {
 }
 
 impl Deliverer {
-    pub fn new(config: DeliveryConfig) -> Arc<Self> {
+    pub(crate) fn new(config: DeliveryConfig) -> Arc<Self> {
         let mut http = HttpConnector::new();
         http.set_nodelay(true);
         http.set_connect_timeout(Some(config.attempt_timeout));
@@ -568,13 +568,13 @@ impl Deliverer {
         })
     }
 
-    pub fn default_retries(&self) -> u32 {
+    pub(crate) fn default_retries(&self) -> u32 {
         self.config.retries
     }
 
     /// Delivers `delivery` (accepted as `message_id`) in the background; its
     /// first call joins its key's line now, in acceptance order.
-    pub fn spawn(self: &Arc<Self>, message_id: &str, mut delivery: Delivery) {
+    pub(crate) fn spawn(self: &Arc<Self>, message_id: &str, mut delivery: Delivery) {
         delivery.message_id = message_id.to_owned();
         let ticket = self.ticket(&delivery);
         let me = Arc::clone(self);
@@ -602,27 +602,27 @@ impl Deliverer {
         }
     }
 
-    pub fn outcomes(&self) -> Vec<DeliveryOutcome> {
+    pub(crate) fn outcomes(&self) -> Vec<DeliveryOutcome> {
         self.outcomes.lock().expect("outcomes lock").clone()
     }
 
-    pub fn attempts(&self) -> Vec<DeliveryAttempt> {
+    pub(crate) fn attempts(&self) -> Vec<DeliveryAttempt> {
         self.attempts.lock().expect("attempts lock").clone()
     }
 
-    pub fn callbacks(&self) -> Vec<CallbackOutcome> {
+    pub(crate) fn callbacks(&self) -> Vec<CallbackOutcome> {
         self.callbacks.lock().expect("callbacks lock").clone()
     }
 
-    pub fn subscribe(&self) -> watch::Receiver<usize> {
+    pub(crate) fn subscribe(&self) -> watch::Receiver<usize> {
         self.done.subscribe()
     }
 
-    pub fn subscribe_callbacks(&self) -> watch::Receiver<usize> {
+    pub(crate) fn subscribe_callbacks(&self) -> watch::Receiver<usize> {
         self.called_back.subscribe()
     }
 
-    pub fn abort_all(&self) {
+    pub(crate) fn abort_all(&self) {
         self.tasks.lock().expect("tasks lock").abort_all();
     }
 

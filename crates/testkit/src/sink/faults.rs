@@ -287,12 +287,12 @@ pub(crate) struct FaultState {
 }
 
 impl FaultState {
-    pub fn new(config: FaultConfig) -> Self {
+    pub(crate) fn new(config: FaultConfig) -> Self {
         let rng = StdRng::seed_from_u64(config.seed);
         FaultState { config, rng }
     }
 
-    pub fn draw_request(&mut self) -> RequestFault {
+    pub(crate) fn draw_request(&mut self) -> RequestFault {
         let fractions = self.config.request_fractions();
         if fractions.iter().all(|(f, _)| *f <= 0.0) {
             return RequestFault::None;
@@ -309,21 +309,21 @@ impl FaultState {
     }
 
     /// True with probability `p`.
-    pub fn chance(&mut self, p: f64) -> bool {
+    pub(crate) fn chance(&mut self, p: f64) -> bool {
         p > 0.0 && self.rng.random::<f64>() < p
     }
 
     /// Uniform in `0..n` (`n > 0`).
-    pub fn pick(&mut self, n: usize) -> usize {
+    pub(crate) fn pick(&mut self, n: usize) -> usize {
         self.rng.random_range(0..n)
     }
 
-    pub fn draw_element_error(&mut self) -> bool {
+    pub(crate) fn draw_element_error(&mut self) -> bool {
         let p = self.config.element_error;
         self.chance(p)
     }
 
-    pub fn draw_delay(&mut self) -> Duration {
+    pub(crate) fn draw_delay(&mut self) -> Duration {
         let c = &self.config;
         if c.jitter.is_zero() {
             return c.latency;
@@ -333,7 +333,11 @@ impl FaultState {
     }
 
     /// Poison by id, or by the body marker.
-    pub fn is_poison(&self, outbox_id: Option<i64>, body: Option<&serde_json::Value>) -> bool {
+    pub(crate) fn is_poison(
+        &self,
+        outbox_id: Option<i64>,
+        body: Option<&serde_json::Value>,
+    ) -> bool {
         if let Some(id) = outbox_id {
             if self.config.poison_ids.contains(&id) {
                 return true;

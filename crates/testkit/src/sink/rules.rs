@@ -200,7 +200,7 @@ pub(crate) struct Rules {
 }
 
 impl Rules {
-    pub fn new(keep: bool) -> Rules {
+    pub(crate) fn new(keep: bool) -> Rules {
         Rules {
             keep,
             rule: Mutex::new(None),
@@ -212,22 +212,22 @@ impl Rules {
     }
 
     /// Whether messages are judged at all: a rule is set or messages are kept.
-    pub fn active(&self) -> bool {
+    pub(crate) fn active(&self) -> bool {
         self.keep
             || self.rule.lock().expect("rule lock").is_some()
             || self.batch_rule.lock().expect("rule lock").is_some()
     }
 
-    pub fn set_rule(&self, rule: Rule) {
+    pub(crate) fn set_rule(&self, rule: Rule) {
         *self.rule.lock().expect("rule lock") = Some(rule);
     }
 
-    pub fn set_batch_rule(&self, rule: BatchRule) {
+    pub(crate) fn set_batch_rule(&self, rule: BatchRule) {
         *self.batch_rule.lock().expect("rule lock") = Some(rule);
     }
 
     /// Logs `METHOD path` of a request (when messages are kept).
-    pub fn note_request(&self, method: &http::Method, path: &str) {
+    pub(crate) fn note_request(&self, method: &http::Method, path: &str) {
         if self.keep {
             self.requests
                 .lock()
@@ -238,7 +238,7 @@ impl Rules {
 
     /// Counts the attempt and asks the rule; `accepted` says whether the
     /// rule accepts (the caller settles it once the sink decided).
-    pub fn judge(&self, mut msg: Received) -> (Received, Reply) {
+    pub(crate) fn judge(&self, mut msg: Received) -> (Received, Reply) {
         msg.attempt = {
             let mut seen = self.seen.lock().expect("seen lock");
             let n = seen.entry(msg.dedup_id.clone()).or_insert(0);
@@ -255,7 +255,7 @@ impl Rules {
     }
 
     /// The batch rule's answer, when it gives one.
-    pub fn batch_answer(&self, msgs: &[Received]) -> Option<(RawAnswer, Vec<bool>)> {
+    pub(crate) fn batch_answer(&self, msgs: &[Received]) -> Option<(RawAnswer, Vec<bool>)> {
         self.batch_rule
             .lock()
             .expect("rule lock")
@@ -264,17 +264,17 @@ impl Rules {
     }
 
     /// Keeps judged messages (when messages are kept).
-    pub fn record(&self, msgs: Vec<Received>) {
+    pub(crate) fn record(&self, msgs: Vec<Received>) {
         if self.keep {
             self.received.lock().expect("received lock").extend(msgs);
         }
     }
 
-    pub fn received(&self) -> Vec<Received> {
+    pub(crate) fn received(&self) -> Vec<Received> {
         self.received.lock().expect("received lock").clone()
     }
 
-    pub fn requests(&self) -> Vec<String> {
+    pub(crate) fn requests(&self) -> Vec<String> {
         self.requests.lock().expect("requests lock").clone()
     }
 }

@@ -18,6 +18,24 @@ use outbox_testkit::TestDb;
 
 const LIMIT: Duration = Duration::from_secs(60);
 
+/// Runs the relay on `cfg` until nothing is pending, stops it, and fails the
+/// test when delivery stopped before that ([`LIMIT`]).
+async fn run_until_drained(db: &TestDb, cfg: Config) {
+    let relay = Relay::start(cfg).await.unwrap();
+    let drained = wait_until(LIMIT, || async { pending(db).await == 0 }).await;
+    relay.shutdown().await;
+    assert!(
+        drained,
+        "delivery stopped: {} rows still pending",
+        pending(db).await
+    );
+}
+
+/// A 200 whose body is `elements` as a JSON array (a `/v2/batch` answer).
+fn batch_answer(elements: &[serde_json::Value]) -> RawAnswer {
+    RawAnswer::new(200, serde_json::to_vec(elements).unwrap())
+}
+
 fn n_of(r: &Received) -> u64 {
     let v: serde_json::Value = serde_json::from_str(&r.body).unwrap_or_default();
     v["payload"]["n"].as_u64().unwrap_or(u64::MAX)
@@ -28,16 +46,13 @@ async fn assert_published_only_when_accepted(db: &TestDb, sink: &SinkHandle) {
     let accepted: std::collections::HashSet<String> =
         sink.accepted().into_iter().map(|r| r.dedup_id).collect();
     let client = db.client().await.unwrap();
-    let rows = client
-        .query(
-            "SELECT idempotency_key FROM outbox WHERE published_at IS NOT NULL",
-            &[],
-        )
-        .await
-        .unwrap();
-    let unaccepted: Vec<String> = rows
-        .iter()
-        .map(|r| r.get::<_, String>(0))
+    let published: Vec<String> = common::column(
+        &client,
+        "SELECT idempotency_key FROM outbox WHERE published_at IS NOT NULL",
+    )
+    .await;
+    let unaccepted: Vec<String> = published
+        .into_iter()
         .filter(|k| !accepted.contains(k))
         .collect();
     assert!(
@@ -110,14 +125,7 @@ async fn error_bodies_of_any_bytes_never_stop_delivery() {
     let mut cfg = config(&db, &sink.url(), QSTASH_ROUTE);
     cfg.qstash.mode = PublishMode::Single;
     cfg.http.max_response_bytes = 4 * 1024 * 1024;
-    let relay = Relay::start(cfg).await.unwrap();
-    let drained = wait_until(LIMIT, || async { pending(&db).await == 0 }).await;
-    relay.shutdown().await;
-    assert!(
-        drained,
-        "delivery stopped: {} rows still pending",
-        pending(&db).await
-    );
+    run_until_drained(&db, cfg).await;
     assert_eq!(
         count(
             &db,
@@ -127,16 +135,13 @@ async fn error_bodies_of_any_bytes_never_stop_delivery() {
         396
     );
     let client = db.client().await.unwrap();
-    let dead = client
-        .query(
-            "SELECT last_error FROM outbox WHERE dead_lettered_at IS NOT NULL ORDER BY id",
-            &[],
-        )
-        .await
-        .unwrap();
+    let dead: Vec<String> = common::column(
+        &client,
+        "SELECT last_error FROM outbox WHERE dead_lettered_at IS NOT NULL ORDER BY id",
+    )
+    .await;
     assert_eq!(dead.len(), 4);
-    for row in dead {
-        let error: String = row.get(0);
+    for error in dead {
         assert!(error.contains("HTTP 500"), "{error:?}");
         assert!(
             !error.chars().any(|c| c.is_control()),
@@ -160,10 +165,7 @@ fn garbled_answer(request: usize, msgs: &[Received]) -> (RawAnswer, Vec<bool>) {
         // One element short: which message is which cannot be told.
         1 => {
             let v: Vec<_> = (0..n - 1).map(ok).collect();
-            (
-                RawAnswer::new(200, serde_json::to_vec(&v).unwrap()),
-                vec![false; n],
-            )
+            (batch_answer(&v), vec![false; n])
         }
         // Elements that are not publish answers.
         2 => (
@@ -182,10 +184,7 @@ fn garbled_answer(request: usize, msgs: &[Received]) -> (RawAnswer, Vec<bool>) {
                 })
                 .collect();
             let accepted = (0..n).map(|i| i % 2 == 1).collect();
-            (
-                RawAnswer::new(200, serde_json::to_vec(&v).unwrap()),
-                accepted,
-            )
+            (batch_answer(&v), accepted)
         }
         // Not JSON at all.
         4 => (RawAnswer::new(200, b"\x00\xffOK".to_vec()), vec![false; n]),
@@ -200,24 +199,26 @@ fn garbled_answer(request: usize, msgs: &[Received]) -> (RawAnswer, Vec<bool>) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_batch_answer_that_cannot_be_read_publishes_nothing() {
+/// A fresh database and a sink whose `/v2/batch` answers `answer` makes,
+/// told how many batch requests came before each; the count is returned too.
+async fn with_batch_rule(
+    answer: impl Fn(usize, &[Received]) -> Option<(RawAnswer, Vec<bool>)> + Send + Sync + 'static,
+) -> (TestDb, SinkHandle, Arc<AtomicUsize>) {
     let db = common::test_db().await;
     let sink = common::start_sink().await;
     let requests = Arc::new(AtomicUsize::new(0));
     let counter = Arc::clone(&requests);
+    sink.set_batch_rule(move |msgs| answer(counter.fetch_add(1, Ordering::SeqCst), msgs));
+    (db, sink, requests)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_answer_that_cannot_be_read_publishes_nothing() {
     // The first 30 batch requests get garbled 2xx answers; then QStash behaves.
-    sink.set_batch_rule(move |msgs| {
-        let i = counter.fetch_add(1, Ordering::SeqCst);
-        (i < 30).then(|| garbled_answer(i, msgs))
-    });
+    let (db, sink, requests) =
+        with_batch_rule(|i, msgs| (i < 30).then(|| garbled_answer(i, msgs))).await;
     insert_events(&db, 1_000, 50).await;
-    let relay = Relay::start(config(&db, &sink.url(), QSTASH_ROUTE))
-        .await
-        .unwrap();
-    let drained = wait_until(LIMIT, || async { pending(&db).await == 0 }).await;
-    relay.shutdown().await;
-    assert!(drained, "{} rows still pending", pending(&db).await);
+    run_until_drained(&db, config(&db, &sink.url(), QSTASH_ROUTE)).await;
     assert!(requests.load(Ordering::SeqCst) > 30);
     assert_published_only_when_accepted(&db, &sink).await;
     assert_eq!(dead_count(&db).await, 0);
@@ -225,15 +226,10 @@ async fn a_batch_answer_that_cannot_be_read_publishes_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_batch_answer_is_read_whole() {
-    let db = common::test_db().await;
-    let sink = common::start_sink().await;
-    let first = Arc::new(AtomicUsize::new(0));
-    let counter = Arc::clone(&first);
     // 400 messages a request, each answered with a long message id: about
     // 100 KiB, more than http.max_response_bytes. The first message of every
     // first-time request is refused with a per-element error.
-    sink.set_batch_rule(move |msgs| {
-        let round = counter.fetch_add(1, Ordering::SeqCst);
+    let (db, sink, _) = with_batch_rule(|round, msgs| {
         let v: Vec<_> = msgs
             .iter()
             .enumerate()
@@ -246,30 +242,25 @@ async fn a_large_batch_answer_is_read_whole() {
             })
             .collect();
         let accepted = (0..msgs.len()).map(|i| i != 0 || round >= 3).collect();
-        Some((
-            RawAnswer::new(200, serde_json::to_vec(&v).unwrap()),
-            accepted,
-        ))
-    });
+        Some((batch_answer(&v), accepted))
+    })
+    .await;
     insert_events(&db, 2_000, 50).await;
     let mut cfg = config(&db, &sink.url(), QSTASH_ROUTE);
     cfg.qstash.batch_size = BatchSize::new(400).unwrap();
     cfg.relay.claim_batch = 400;
-    let relay = Relay::start(cfg).await.unwrap();
-    let drained = wait_until(LIMIT, || async { pending(&db).await == 0 }).await;
-    relay.shutdown().await;
-    assert!(drained, "{} rows still pending", pending(&db).await);
+    run_until_drained(&db, cfg).await;
     assert_published_only_when_accepted(&db, &sink).await;
 }
 
-/// Runs 600 events against a sink that fails as `outage` says for the first
-/// `for_how_long`, with only 3 attempts allowed per row; nothing may be
-/// dead-lettered and no attempt may be counted that was not a request.
+/// Runs 600 events through the QStash route against a sink that fails as
+/// `outage` says for the first three seconds, with only 3 attempts allowed per
+/// row; nothing may be dead-lettered and no attempt may be counted that was
+/// not a request.
 async fn survives_an_outage(
-    mut cfg: impl FnMut(&TestDb, &SinkHandle) -> Config,
     outage: impl Fn(&Received) -> Reply + Send + Sync + 'static,
-    for_how_long: Duration,
 ) -> (TestDb, SinkHandle) {
+    let for_how_long = Duration::from_secs(3);
     let db = common::test_db().await;
     let sink = common::start_sink().await;
     let started = Instant::now();
@@ -281,12 +272,9 @@ async fn survives_an_outage(
         }
     });
     insert_events(&db, 600, 60).await;
-    let mut c = cfg(&db, &sink);
+    let mut c = config(&db, &sink.url(), QSTASH_ROUTE);
     c.relay.max_attempts = 3;
-    let relay = Relay::start(c).await.unwrap();
-    let drained = wait_until(LIMIT, || async { pending(&db).await == 0 }).await;
-    relay.shutdown().await;
-    assert!(drained, "{} rows still pending", pending(&db).await);
+    run_until_drained(&db, c).await;
     assert_eq!(
         dead_count(&db).await,
         0,
@@ -299,12 +287,7 @@ async fn survives_an_outage(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_token_pauses_the_route_instead_of_dead_lettering() {
-    let (_db, sink) = survives_an_outage(
-        |db, sink| config(db, &sink.url(), QSTASH_ROUTE),
-        |_| Reply::Status(401, None),
-        Duration::from_secs(3),
-    )
-    .await;
+    let (_db, sink) = survives_an_outage(|_| Reply::Status(401, None)).await;
     // Paused with backoff: not a hot loop of requests through the outage.
     let refused = sink.received().iter().filter(|r| !r.accepted).count();
     assert!(refused <= 600, "{refused} messages sent into a 401 outage");
@@ -312,35 +295,19 @@ async fn a_revoked_token_pauses_the_route_instead_of_dead_lettering() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn qstash_down_pauses_the_route_instead_of_dead_lettering() {
-    survives_an_outage(
-        |db, sink| config(db, &sink.url(), QSTASH_ROUTE),
-        |_| Reply::Status(503, None),
-        Duration::from_secs(3),
-    )
-    .await;
+    survives_an_outage(|_| Reply::Status(503, None)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quota_429_pauses_the_route_instead_of_dead_lettering() {
-    survives_an_outage(
-        |db, sink| config(db, &sink.url(), QSTASH_ROUTE),
-        |_| Reply::Status(429, None),
-        Duration::from_secs(3),
-    )
-    .await;
+    survives_an_outage(|_| Reply::Status(429, None)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redirecting_destination_pauses_the_route_instead_of_dead_lettering() {
-    survives_an_outage(
-        |db, sink| config(db, &sink.url(), QSTASH_ROUTE),
-        |_| {
-            Reply::Raw(
-                RawAnswer::new(301, b"moved".to_vec()).header("location", "https://elsewhere/"),
-            )
-        },
-        Duration::from_secs(3),
-    )
+    survives_an_outage(|_| {
+        Reply::Raw(RawAnswer::new(301, b"moved".to_vec()).header("location", "https://elsewhere/"))
+    })
     .await;
 }
 
@@ -409,10 +376,7 @@ async fn honours_reset_header(header: &'static str) {
     insert_events(&db, 1, 1).await;
     let mut cfg = config(&db, &sink.url(), QSTASH_ROUTE);
     cfg.qstash.mode = PublishMode::Single;
-    let relay = Relay::start(cfg).await.unwrap();
-    let drained = wait_until(LIMIT, || async { pending(&db).await == 0 }).await;
-    relay.shutdown().await;
-    assert!(drained);
+    run_until_drained(&db, cfg).await;
     let received = sink.received();
     assert_eq!(received.len(), 2, "one refused, one accepted");
     let retried_at = SystemTime::now() - received[1].at.elapsed();
@@ -453,18 +417,41 @@ fn row_with_headers(headers: &[(&str, &str)]) -> outbox_client::row::OutboxRow {
     }
 }
 
-#[test]
-fn a_row_cannot_override_deduplication_flow_control_or_callbacks() {
-    let cfg = Config::from_toml_str(
+/// A config with a QStash token (then `qstash_more`, which may open further
+/// tables) and one catch-all QStash route (then `route_more`).
+fn one_qstash_route(qstash_more: &str, route_more: &str) -> Result<Config, String> {
+    Config::from_toml_str(&format!(
         r#"
         [qstash]
         token = "t"
+        {qstash_more}
         [[routes]]
         event_type = "*"
         destination = "https://api.example.com/e"
-        ordering = "partition_key_to_qstash"
-        failure_callback = "https://relay.example.com/qstash/failure"
-        "#,
+        {route_more}
+        "#
+    ))
+    .map_err(|e| e.to_string())
+}
+
+const ORDERED_WITH_CALLBACK: &str = r#"ordering = "partition_key"
+    callback = "https://relay.example.com/qstash/callback""#;
+
+/// Every value of header `name` (lower case) in a QStash message's headers.
+fn header_values<'a>(headers: &'a [(String, String)], name: &str) -> Vec<&'a str> {
+    headers
+        .iter()
+        .filter(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+        .collect()
+}
+
+#[test]
+fn a_row_cannot_override_deduplication_flow_control_or_callbacks() {
+    let cfg = one_qstash_route(
+        "",
+        r#"ordering = "partition_key_to_qstash"
+        failure_callback = "https://relay.example.com/qstash/failure""#,
     )
     .unwrap();
     let router = outbox_relay::routes::Router::new(&cfg.routes);
@@ -482,14 +469,7 @@ fn a_row_cannot_override_deduplication_flow_control_or_callbacks() {
         ("schema-version", "2"),
     ]);
     let message = sink.message(&router.routes()[0], &row).unwrap();
-    let get = |name: &str| -> Vec<&str> {
-        message
-            .headers
-            .iter()
-            .filter(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
-            .collect()
-    };
+    let get = |name: &str| header_values(&message.headers, name);
     assert_eq!(get("upstash-deduplication-id"), ["evt-42"]);
     assert!(get("upstash-content-based-deduplication").is_empty());
     assert_eq!(get("upstash-flow-control-key"), ["order:o-1"]);
@@ -506,61 +486,27 @@ fn a_row_cannot_override_deduplication_flow_control_or_callbacks() {
     assert_eq!(get("upstash-forward-schema-version"), ["2"]);
 
     // A route ordered at the destination sends its own callback, whatever the row says.
-    let cfg = Config::from_toml_str(
-        r#"
-        [qstash]
-        token = "t"
-        current_signing_key = "sig_k"
+    let cfg = one_qstash_route(
+        r#"current_signing_key = "sig_k"
         [server]
-        callback_bind = "127.0.0.1:0"
-        [[routes]]
-        event_type = "*"
-        destination = "https://api.example.com/e"
-        ordering = "partition_key"
-        callback = "https://relay.example.com/qstash/callback"
-        "#,
+        callback_bind = "127.0.0.1:0""#,
+        ORDERED_WITH_CALLBACK,
     )
     .unwrap();
     let router = outbox_relay::routes::Router::new(&cfg.routes);
     let message = sink.message(&router.routes()[0], &row).unwrap();
-    let callbacks: Vec<&str> = message
-        .headers
-        .iter()
-        .filter(|(k, _)| k == "upstash-callback")
-        .map(|(_, v)| v.as_str())
-        .collect();
-    assert_eq!(callbacks, ["https://relay.example.com/qstash/callback"]);
+    assert_eq!(
+        header_values(&message.headers, "upstash-callback"),
+        ["https://relay.example.com/qstash/callback"]
+    );
 }
 
 #[test]
 fn a_route_taking_callbacks_needs_the_listener_they_come_to() {
-    let e = Config::from_toml_str(
-        r#"
-        [qstash]
-        token = "t"
-        current_signing_key = "sig_k"
-        [[routes]]
-        event_type = "*"
-        destination = "https://api.example.com/e"
-        ordering = "partition_key"
-        callback = "https://relay.example.com/qstash/callback"
-        "#,
-    )
-    .unwrap_err()
-    .to_string();
+    let e =
+        one_qstash_route(r#"current_signing_key = "sig_k""#, ORDERED_WITH_CALLBACK).unwrap_err();
     assert!(e.contains("server.callback_bind"), "{e}");
-    let e = Config::from_toml_str(
-        r#"
-        [qstash]
-        token = "t"
-        [[routes]]
-        event_type = "*"
-        destination = "https://api.example.com/e"
-        ordering = "partition_key"
-        "#,
-    )
-    .unwrap_err()
-    .to_string();
+    let e = one_qstash_route("", r#"ordering = "partition_key""#).unwrap_err();
     assert!(e.contains("routes[0].callback"), "{e}");
 }
 

@@ -102,16 +102,7 @@ async fn the_key_walk_resumes_after_its_cursor_and_wraps_around() {
         .await
         .unwrap();
     // The walk's order: by bucket, then key.
-    let walk: Vec<String> = client
-        .query(
-            "SELECT partition_key FROM outbox GROUP BY bucket, partition_key ORDER BY bucket, partition_key",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let walk: Vec<String> = common::column(&client, "SELECT partition_key FROM outbox GROUP BY bucket, partition_key ORDER BY bucket, partition_key").await;
     assert_eq!(walk.len(), 10);
     let w = |range: std::ops::Range<usize>| -> Vec<&str> {
         let mut keys: Vec<&str> = walk[range].iter().map(String::as_str).collect();

@@ -551,13 +551,7 @@ async fn setup_db() -> (TestDb, outbox_relay::store::Pool) {
 }
 
 async fn scalar(pool: &outbox_relay::store::Pool, sql: &str) -> i64 {
-    pool.get()
-        .await
-        .unwrap()
-        .query_one(sql, &[])
-        .await
-        .unwrap()
-        .get(0)
+    common::count_on(&pool.get().await.unwrap(), sql).await
 }
 
 #[derive(Debug, PartialEq)]

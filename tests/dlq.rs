@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::process::{Command, ExitCode};
+use std::process::ExitCode;
 
 use clap::Parser;
 use outbox_client::{enqueue, Enqueued, NewEvent};
@@ -13,8 +13,6 @@ use outbox_testkit::TestDb;
 use serde_json::{json, Value};
 use tokio_postgres::Client;
 use uuid::Uuid;
-
-const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
 
 #[derive(Parser)]
 struct Cli {
@@ -364,15 +362,7 @@ async fn replay_and_purge_need_a_selector() {
 #[tokio::test]
 async fn purge_refuses_without_yes_and_deletes_only_dead_rows_with_it() {
     let (db, client, rows) = setup().await;
-    let cli = |args: &[&str]| {
-        Command::new(BIN)
-            .arg("dlq")
-            .args(args)
-            .env("DATABASE_URL", &db.url)
-            .env_remove("OUTBOX_RELAY_LOG")
-            .output()
-            .unwrap()
-    };
+    let cli = |args: &[&str]| common::cli(&db, &[&["dlq"], args].concat());
     let refused = cli(&["purge", "--all"]);
     assert_eq!(refused.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&refused.stdout).contains("refusing to delete 3"));
@@ -404,13 +394,7 @@ async fn purge_refuses_without_yes_and_deletes_only_dead_rows_with_it() {
         String::from_utf8_lossy(&purged.stdout),
         "purged 2 dead-lettered rows\n"
     );
-    let left: Vec<i64> = client
-        .query("SELECT id FROM outbox ORDER BY id", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let left: Vec<i64> = common::column(&client, "SELECT id FROM outbox ORDER BY id").await;
     assert_eq!(left, vec![rows.pending, rows.published]);
 
     // The binary's list sees an empty dead-letter queue.

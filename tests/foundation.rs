@@ -35,15 +35,11 @@ async fn migrations_apply_once_and_are_a_no_op_after() {
     let first = migrate::run(&mut client).await.unwrap();
     let all: Vec<i32> = migrate::MIGRATIONS.iter().map(|m| m.version).collect();
     assert_eq!(first.applied, all);
-    let schema_before: Vec<String> = client
-        .query("SELECT table_name || '.' || column_name || ':' || data_type FROM information_schema.columns WHERE table_schema = 'public' ORDER BY 1", &[])
-        .await.unwrap().iter().map(|r| r.get(0)).collect();
+    let schema_before: Vec<String> = common::column(&client, "SELECT table_name || '.' || column_name || ':' || data_type FROM information_schema.columns WHERE table_schema = 'public' ORDER BY 1").await;
     let second = migrate::run(&mut client).await.unwrap();
     assert_eq!(second.applied, Vec::<i32>::new());
     assert_eq!(second.already, migrate::MIGRATIONS.len());
-    let schema_after: Vec<String> = client
-        .query("SELECT table_name || '.' || column_name || ':' || data_type FROM information_schema.columns WHERE table_schema = 'public' ORDER BY 1", &[])
-        .await.unwrap().iter().map(|r| r.get(0)).collect();
+    let schema_after: Vec<String> = common::column(&client, "SELECT table_name || '.' || column_name || ':' || data_type FROM information_schema.columns WHERE table_schema = 'public' ORDER BY 1").await;
     assert_eq!(schema_before, schema_after);
     assert!(schema_after.contains(&"outbox.partition_key:text".to_owned()));
 }
@@ -302,13 +298,7 @@ fn config_errors_name_their_key() {
             "routes[0].ordering",
         ),
     ];
-    for (toml, key) in cases {
-        let err = Config::from_toml_str(toml).expect_err(toml).to_string();
-        assert!(
-            err.contains(key),
-            "error for {toml:?} should name `{key}`: {err}"
-        );
-    }
+    common::assert_config_errors_name(&cases);
     let ok = Config::from_toml_str(
         "[qstash]\ntoken = \"t\"\n[[routes]]\nevent_type = \"order.*\"\ndestination = \"https://x.example/{event_type}\"\nordering = \"partition_key_to_qstash\"\n",
     )

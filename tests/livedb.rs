@@ -126,16 +126,11 @@ fn producers(
 /// What every upgrade must end with, however it got there.
 async fn assert_current_schema(db: &TestDb) {
     let client = db.client().await.unwrap();
-    let versions: Vec<i32> = client
-        .query(
-            "SELECT version FROM outbox_relay_migrations ORDER BY version",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let versions: Vec<i32> = common::column(
+        &client,
+        "SELECT version FROM outbox_relay_migrations ORDER BY version",
+    )
+    .await;
     let all: Vec<i32> = migrate::MIGRATIONS.iter().map(|m| m.version).collect();
     assert_eq!(versions, all);
     let not_null: bool = client
@@ -154,17 +149,12 @@ async fn assert_current_schema(db: &TestDb) {
         .get(0);
     assert_eq!(unbucketed, 0);
     // Every index valid, and the ones the relay reads exist with their definition.
-    let invalid: Vec<String> = client
-        .query(
-            "SELECT c.relname::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+    let invalid: Vec<String> = common::column(
+        &client,
+        "SELECT c.relname::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
              WHERE i.indrelid = 'outbox'::regclass AND NOT (i.indisvalid AND i.indisready)",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    )
+    .await;
     assert!(invalid.is_empty(), "invalid indexes: {invalid:?}");
     for (name, columns) in [
         ("outbox_bucket_ready_idx", "(bucket, available_at, id)"),

@@ -64,48 +64,36 @@ impl Settings {
         } else {
             String::new()
         };
-        format!(
+        let overrides = format!(
             r#"
-            [database]
-            url = "{db}"
-            pool_size = 12
             [relay]
             shards = 8
-            publishers = 3
             claim_batch = 50
             max_in_flight = 500
-            lease = "3s"
-            poll_interval = "100ms"
+            shard_lease = "10s"
             max_attempts = {max_attempts}
-            backoff_base = "20ms"
-            backoff_cap = "100ms"
-            mark_interval = "5ms"
-            shutdown_grace = "5s"
             [qstash]
-            url = "{sink}"
             token = "{token}"
             current_signing_key = "{current}"
             next_signing_key = "{next}"
             mode = "{mode}"
-            batch_size = 50
-            [http]
-            request_timeout = "1s"
-            connect_timeout = "1s"
             [server]
             metrics_bind = "{metrics}"
             {callback_bind}
             stats_interval = "200ms"
             ready_max_pending_age = "1s"
-            {routes}
             "#,
-            db = db.url,
-            sink = sink.url(),
             max_attempts = self.max_attempts,
             token = self.token,
             current = self.current_signing_key,
             next = self.next_signing_key,
             mode = self.mode,
-            routes = self.routes.replace("{sink}", &sink.url()),
+        );
+        common::config_toml_with(
+            db,
+            &sink.url(),
+            &overrides,
+            &self.routes.replace("{sink}", &sink.url()),
         )
     }
 }
@@ -475,15 +463,7 @@ fn number(dedup_id: &str) -> Option<usize> {
 }
 
 async fn ids(db: &TestDb, sql: &str) -> BTreeSet<i64> {
-    db.client()
-        .await
-        .unwrap()
-        .query(sql, &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect()
+    common::column(&db.client().await.unwrap(), sql).await
 }
 
 // ---------------------------------------------------------------------------

@@ -9,11 +9,12 @@ use std::time::Duration;
 
 use chrono::{DateTime, Timelike, Utc};
 use outbox_relay::config::{Config, JanitorConfig};
-use outbox_relay::janitor::{run_janitor, run_janitor_observed};
+use outbox_relay::janitor::{run_janitor, run_janitor_observed, JanitorSummary};
 use outbox_relay::store::outbox::{no_cursor, ClaimScope, Write};
 use outbox_relay::store::partitions::{self, MaintainOptions, PartitionAction};
 use outbox_relay::store::retention::{self as prune, PruneOptions};
 use outbox_relay::store::stats::{self, snapshot};
+use outbox_relay::store::{Store, StoreError};
 use outbox_testkit::TestDb;
 use serde_json::Value;
 use tokio_postgres::Client;
@@ -50,17 +51,11 @@ async fn set(client: &Client, ids: &[i64], assignments: &str) {
 }
 
 async fn count(client: &Client, sql: &str) -> i64 {
-    client.query_one(sql, &[]).await.unwrap().get(0)
+    common::count_on(client, sql).await
 }
 
 async fn ids(client: &Client, sql: &str) -> Vec<i64> {
-    client
-        .query(sql, &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect()
+    common::column(client, sql).await
 }
 
 /// Flushes this backend's table statistics so other sessions see them now
@@ -73,69 +68,45 @@ async fn flush_stats(client: &Client) {
     client.batch_execute("SELECT 1").await.unwrap();
 }
 
-/// Pending, flapping, stuck, leased, backing-off, published and dead rows.
-/// Returns the ids published within the last hour, for the per-minute check.
-async fn craft_mix(client: &Client) {
+/// Pending, flapping, stuck, leased, backing-off, published and dead rows:
+/// each line is `(rows, event type, created this many seconds ago, columns
+/// set afterwards)`.
+const MIX: &[(i32, &str, f64, &str)] = &[
     // order.placed: 5 pending (the oldest 10 minutes old), 4 published recently, 2 long ago.
-    let fresh = insert(client, 4, "order.placed", 5.0).await;
-    let oldest = insert(client, 1, "order.placed", 600.0).await;
-    assert_eq!(fresh.len() + oldest.len(), 5);
-    let recent = insert(client, 4, "order.placed", 3600.0).await;
-    set(
-        client,
-        &recent[..2],
-        "published_at = now() - interval '5 minutes'",
-    )
-    .await;
-    set(
-        client,
-        &recent[2..3],
-        "published_at = now() - interval '30 minutes'",
-    )
-    .await;
-    set(client, &recent[3..], "published_at = now()").await;
-    let old = insert(client, 2, "order.placed", 4.0 * 3600.0).await;
-    set(client, &old, "published_at = now() - interval '2 hours'").await;
-
-    // order.shipped: 7 pending in every lease state.
-    let flapping = insert(client, 2, "order.shipped", 60.0).await;
-    set(client, &flapping, "attempt_count = 5").await;
-    let stuck = insert(client, 3, "order.shipped", 120.0).await;
-    set(
-        client,
-        &stuck,
-        "attempt_count = 1, locked_until = now() - interval '1 minute'",
-    )
-    .await;
-    let leased = insert(client, 1, "order.shipped", 60.0).await;
-    set(
-        client,
-        &leased,
-        "attempt_count = 1, locked_until = now() + interval '1 minute'",
-    )
-    .await;
-    let backing_off = insert(client, 1, "order.shipped", 60.0).await;
-    set(
-        client,
-        &backing_off,
+    (4, "order.placed", 5.0, ""),
+    (1, "order.placed", 600.0, ""),
+    (2, "order.placed", 3600.0, "published_at = now() - interval '5 minutes'"),
+    (1, "order.placed", 3600.0, "published_at = now() - interval '30 minutes'"),
+    (1, "order.placed", 3600.0, "published_at = now()"),
+    (2, "order.placed", 4.0 * 3600.0, "published_at = now() - interval '2 hours'"),
+    // order.shipped: 7 pending in every lease state: flapping, stuck, leased, backing off.
+    (2, "order.shipped", 60.0, "attempt_count = 5"),
+    (3, "order.shipped", 120.0, "attempt_count = 1, locked_until = now() - interval '1 minute'"),
+    (1, "order.shipped", 60.0, "attempt_count = 1, locked_until = now() + interval '1 minute'"),
+    (
+        1,
+        "order.shipped",
+        60.0,
         "attempt_count = 2, locked_until = now() - interval '1 minute', available_at = now() + interval '1 minute'",
-    )
-    .await;
-
+    ),
     // invoice.paid: 3 dead letters, one of them published first (QStash's failure callback).
-    let dead = insert(client, 3, "invoice.paid", 7200.0).await;
-    set(
-        client,
-        &dead,
-        "dead_lettered_at = now(), attempt_count = 10",
-    )
-    .await;
-    set(
-        client,
-        &dead[..1],
-        "published_at = now() - interval '2 hours'",
-    )
-    .await;
+    (
+        1,
+        "invoice.paid",
+        7200.0,
+        "dead_lettered_at = now(), attempt_count = 10, published_at = now() - interval '2 hours'",
+    ),
+    (2, "invoice.paid", 7200.0, "dead_lettered_at = now(), attempt_count = 10"),
+];
+
+async fn craft_mix(client: &Client) {
+    for &(rows, event_type, ago, assignments) in MIX {
+        let ids = insert(client, rows, event_type, ago).await;
+        assert_eq!(ids.len(), rows as usize);
+        if !assignments.is_empty() {
+            set(client, &ids, assignments).await;
+        }
+    }
 }
 
 fn minute_index(window_start: DateTime<Utc>, t: DateTime<Utc>) -> Option<usize> {
@@ -231,16 +202,7 @@ async fn stats_match_the_database_for_a_crafted_mix() {
     assert_eq!(paid.oldest_pending_age_seconds, None);
 
     // The binary says the same, as JSON.
-    let out = Command::new(BIN)
-        .args(["stats", "--json"])
-        .env("DATABASE_URL", &db.url)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = common::cli_ok(&db, &["stats", "--json"]);
     let json: Value = serde_json::from_slice(&out.stdout).unwrap();
     let s = &json["snapshot"];
     assert_eq!(s["backlog"], 12);
@@ -255,16 +217,7 @@ async fn stats_match_the_database_for_a_crafted_mix() {
     assert_eq!(json["event_types"][2]["pending"], 7);
 
     // ... and as tables for people.
-    let out = Command::new(BIN)
-        .args(["stats"])
-        .env("DATABASE_URL", &db.url)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = common::cli_ok(&db, &["stats"]);
     let text = String::from_utf8_lossy(&out.stdout);
     for needle in [
         "backlog",
@@ -349,6 +302,20 @@ async fn craft_retention(client: &Client) -> (Vec<i64>, Vec<i64>) {
     (old, survivors)
 }
 
+/// `n` messages the `billing` consumer handled `days_ago` days ago, named
+/// `prefix1`, `prefix2`, ….
+async fn add_processed(client: &Client, prefix: &str, n: i32, days_ago: i32) {
+    client
+        .execute(
+            "INSERT INTO processed_messages (consumer, message_id, processed_at)
+             SELECT 'billing', $1::text || g, now() - make_interval(days => $3)
+             FROM generate_series(1, $2::int4) g",
+            &[&prefix, &n, &days_ago],
+        )
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 async fn prune_deletes_only_old_published_rows_in_batches() {
     let db = common::test_db().await;
@@ -389,16 +356,11 @@ async fn prune_from_the_command_line_reports_what_it_deleted() {
     let db = common::test_db().await;
     let client = db.client().await.unwrap();
     let (old, survivors) = craft_retention(&client).await;
-    client
-        .batch_execute(
-            "INSERT INTO processed_messages (consumer, message_id, processed_at)
-             SELECT 'billing', 'm-' || g, now() - interval '8 days' FROM generate_series(1, 4) g;
-             INSERT INTO processed_messages (consumer, message_id) VALUES ('billing', 'fresh');",
-        )
-        .await
-        .unwrap();
-    let out = Command::new(BIN)
-        .args([
+    add_processed(&client, "m-", 4, 8).await;
+    add_processed(&client, "fresh-", 1, 0).await;
+    let out = common::cli_ok(
+        &db,
+        &[
             "prune",
             "--older-than",
             "7d",
@@ -407,14 +369,7 @@ async fn prune_from_the_command_line_reports_what_it_deleted() {
             "--processed-older-than",
             "7d",
             "--json",
-        ])
-        .env("DATABASE_URL", &db.url)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        ],
     );
     let json: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(json["outbox"]["deleted"], old.len());
@@ -430,16 +385,7 @@ async fn prune_from_the_command_line_reports_what_it_deleted() {
         1
     );
 
-    let out = Command::new(BIN)
-        .args(["prune", "--older-than", "7d"])
-        .env("DATABASE_URL", &db.url)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = common::cli_ok(&db, &["prune", "--older-than", "7d"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         text.contains("deleted 0 rows older than 7days") && text.contains("in 1 statements"),
@@ -447,11 +393,7 @@ async fn prune_from_the_command_line_reports_what_it_deleted() {
     );
     assert!(text.contains("processed_messages: left alone"), "{text}");
 
-    let out = Command::new(BIN)
-        .args(["prune", "--older-than", "soon"])
-        .env("DATABASE_URL", &db.url)
-        .output()
-        .unwrap();
+    let out = common::cli(&db, &["prune", "--older-than", "soon"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--older-than"));
 }
@@ -460,26 +402,22 @@ async fn prune_from_the_command_line_reports_what_it_deleted() {
 async fn processed_messages_are_pruned_past_their_ttl_in_batches() {
     let db = common::test_db().await;
     let client = db.client().await.unwrap();
-    client
-        .batch_execute(
-            "INSERT INTO processed_messages (consumer, message_id, processed_at)
-             SELECT 'billing', 'old-' || g, now() - interval '8 days' FROM generate_series(1, 7) g;
-             INSERT INTO processed_messages (consumer, message_id, processed_at)
-             SELECT 'billing', 'new-' || g, now() - interval '6 days' FROM generate_series(1, 2) g;",
-        )
-        .await
-        .unwrap();
-    let report = prune::prune_processed(&client, Duration::from_secs(7 * 24 * 3600), 3)
-        .await
-        .unwrap();
+    add_processed(&client, "old-", 7, 8).await;
+    add_processed(&client, "new-", 2, 6).await;
+    let report = prune::prune_table(
+        &client,
+        prune::Prunable::Processed,
+        Duration::from_secs(7 * 24 * 3600),
+        3,
+    )
+    .await
+    .unwrap();
     assert_eq!((report.deleted, report.statements), (7, 3));
-    let left: Vec<String> = client
-        .query("SELECT message_id FROM processed_messages ORDER BY 1", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let left: Vec<String> = common::column(
+        &client,
+        "SELECT message_id FROM processed_messages ORDER BY 1",
+    )
+    .await;
     assert_eq!(left, ["new-1", "new-2"]);
 }
 
@@ -492,34 +430,45 @@ fn janitor_config(interval: Duration) -> JanitorConfig {
     }
 }
 
+/// The janitor on `db` with `interval` between passes, sending what
+/// `observe` makes of each pass; it stops when the returned sender fires.
+fn spawn_janitor<T: Send + 'static>(
+    db: &TestDb,
+    interval: Duration,
+    observe: impl Fn(&Result<prune::PruneReport, StoreError>) -> T + Send + 'static,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::sync::mpsc::UnboundedReceiver<T>,
+    tokio::task::JoinHandle<JanitorSummary>,
+) {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (passes_tx, passes) = tokio::sync::mpsc::unbounded_channel();
+    let janitor = tokio::spawn(run_janitor_observed(
+        Store::with_pool(common::pool(db, 2)),
+        janitor_config(interval),
+        async {
+            let _ = stopped.await;
+        },
+        move |pass| {
+            let _ = passes_tx.send(observe(pass));
+        },
+    ));
+    (stop, passes, janitor)
+}
+
 #[tokio::test]
 async fn janitor_prunes_at_start_and_stops_on_shutdown() {
     let db = common::test_db().await;
     let client = db.client().await.unwrap();
     let (old, survivors) = craft_retention(&client).await;
-    client
-        .batch_execute(
-            "INSERT INTO processed_messages (consumer, message_id, processed_at)
-             VALUES ('billing', 'old', now() - interval '8 days'), ('billing', 'new', now())",
-        )
-        .await
-        .unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let (passes_tx, mut passes) = tokio::sync::mpsc::unbounded_channel();
+    add_processed(&client, "old-", 1, 8).await;
+    add_processed(&client, "new-", 1, 0).await;
     // An hour between passes: only the pass at start can happen in this test.
-    let janitor = tokio::spawn(run_janitor_observed(
-        outbox_relay::store::Store::with_pool(common::pool(&db, 2)),
-        janitor_config(Duration::from_secs(3600)),
-        async {
-            let _ = stopped.await;
-        },
-        move |pass| {
-            let _ = passes_tx.send(match pass {
-                Ok(report) => Ok(report.clone()),
-                Err(e) => Err(e.to_string()),
-            });
-        },
-    ));
+    let (stop, mut passes, janitor) =
+        spawn_janitor(&db, Duration::from_secs(3600), |pass| match pass {
+            Ok(report) => Ok(report.clone()),
+            Err(e) => Err(e.to_string()),
+        });
     let first = tokio::time::timeout(PATIENCE, passes.recv())
         .await
         .expect("the janitor prunes at start")
@@ -554,18 +503,8 @@ async fn next(passes: &mut tokio::sync::mpsc::UnboundedReceiver<bool>) -> bool {
 async fn janitor_repeats_every_interval_and_survives_errors() {
     let db = common::test_db().await;
     let client = db.client().await.unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let (passes_tx, mut passes) = tokio::sync::mpsc::unbounded_channel();
-    let janitor = tokio::spawn(run_janitor_observed(
-        outbox_relay::store::Store::with_pool(common::pool(&db, 2)),
-        janitor_config(Duration::from_millis(20)),
-        async {
-            let _ = stopped.await;
-        },
-        move |pass| {
-            let _ = passes_tx.send(pass.is_ok());
-        },
-    ));
+    let (stop, mut passes, janitor) =
+        spawn_janitor(&db, Duration::from_millis(20), |pass| pass.is_ok());
     assert!(next(&mut passes).await);
     // A pass that fails (the table is gone) is reported, and the next one runs.
     client
@@ -593,14 +532,14 @@ async fn a_disabled_janitor_returns_at_once() {
     let summary = tokio::time::timeout(
         PATIENCE,
         run_janitor(
-            outbox_relay::store::Store::with_pool(common::pool(&db, 1)),
+            Store::with_pool(common::pool(&db, 1)),
             JanitorConfig::default(),
             std::future::pending(),
         ),
     )
     .await
     .expect("disabled means no loop");
-    assert_eq!(summary, outbox_relay::janitor::JanitorSummary::default());
+    assert_eq!(summary, JanitorSummary::default());
 }
 
 #[test]
@@ -621,13 +560,7 @@ fn janitor_config_errors_name_their_key() {
         ("[janitor]\nenabled = \"yes\"\n", "janitor.enabled"),
         ("[janitor]\nretain = \"7d\"\n", "retain"),
     ];
-    for (toml, key) in cases {
-        let err = Config::from_toml_str(toml).expect_err(toml).to_string();
-        assert!(
-            err.contains(key),
-            "error for {toml:?} should name `{key}`: {err}"
-        );
-    }
+    common::assert_config_errors_name(&cases);
     let ok = Config::from_toml_str(
         "[janitor]\nenabled = true\ninterval = \"1m\"\nretain_published = \"3d\"\nbatch = 100\n",
     )
@@ -828,9 +761,14 @@ async fn partitioned_outbox_claims_dedupes_prunes_and_drops_old_partitions() {
     assert!(snap.oldest_pending_age_seconds >= 9.0 * 24.0 * 3600.0);
 
     // Row-level retention works on the partitioned table too.
-    let report = prune::prune_published(&client, Duration::from_secs(7 * 24 * 3600), 1)
-        .await
-        .unwrap();
+    let report = prune::prune_table(
+        &client,
+        prune::Prunable::Published,
+        Duration::from_secs(7 * 24 * 3600),
+        1,
+    )
+    .await
+    .unwrap();
     assert_eq!((report.deleted, report.statements), (2, 3));
     let published_again = insert_partitioned(&client, "k-10-again", 10).await.unwrap();
     set(
@@ -841,16 +779,7 @@ async fn partitioned_outbox_claims_dedupes_prunes_and_drops_old_partitions() {
     .await;
 
     // Partition retention: -10 goes; -9 keeps a pending row, -8 a dead letter.
-    let report = partitions::maintain(
-        &mut client,
-        &MaintainOptions {
-            ahead_days: 3,
-            retain: Duration::from_secs(7 * 24 * 3600),
-            ..MaintainOptions::default()
-        },
-    )
-    .await
-    .unwrap();
+    let report = maintain(&mut client, MaintainOptions::default()).await;
     let by_action = |a| {
         report
             .changes
@@ -873,22 +802,28 @@ async fn partitioned_outbox_claims_dedupes_prunes_and_drops_old_partitions() {
     // Keys older than the oldest undelivered row (-9 days) are pruned: those
     // of the dropped partition's rows.
     assert_eq!(report.idempotency_keys_deleted, 2);
-    let keys: Vec<String> = client
-        .query(
-            "SELECT idempotency_key FROM outbox_idempotency_keys ORDER BY 1",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let keys: Vec<String> = common::column(
+        &client,
+        "SELECT idempotency_key FROM outbox_idempotency_keys ORDER BY 1",
+    )
+    .await;
     assert_eq!(
         keys,
         ["k-0", "k-2", "k-8-dead", "k-9-pending", "k-9-published"]
     );
     let left = ids(&client, "SELECT id FROM outbox ORDER BY id").await;
     assert_eq!(left, [pending_old, dead_old, recent, today]);
+}
+
+/// Partition maintenance three days ahead, dropping days older than a week;
+/// the other options from `rest`.
+async fn maintain(client: &mut Client, rest: MaintainOptions) -> partitions::MaintainReport {
+    let options = MaintainOptions {
+        ahead_days: 3,
+        retain: Duration::from_secs(7 * 24 * 3600),
+        ..rest
+    };
+    partitions::maintain(client, &options).await.unwrap()
 }
 
 /// The UTC day `maintain` called today: the newest created partition minus `ahead`.
@@ -917,17 +852,14 @@ async fn partition_maintenance_gives_up_on_a_held_lock_and_keeps_inserts_safe() 
     let mut holder = db.client().await.unwrap();
     let tx = holder.transaction().await.unwrap();
     tx.query("SELECT count(*) FROM outbox", &[]).await.unwrap();
-    let report = partitions::maintain(
+    let report = maintain(
         &mut client,
-        &MaintainOptions {
-            ahead_days: 3,
-            retain: Duration::from_secs(7 * 24 * 3600),
+        MaintainOptions {
             lock_timeout: Duration::from_millis(200),
             ..MaintainOptions::default()
         },
     )
-    .await
-    .unwrap();
+    .await;
     let timed_out: Vec<_> = report
         .changes
         .iter()
@@ -938,29 +870,11 @@ async fn partition_maintenance_gives_up_on_a_held_lock_and_keeps_inserts_safe() 
     tx.rollback().await.unwrap();
 
     // With the lock free, the same run drops them.
-    let report = partitions::maintain(
-        &mut client,
-        &MaintainOptions {
-            ahead_days: 3,
-            retain: Duration::from_secs(7 * 24 * 3600),
-            ..MaintainOptions::default()
-        },
-    )
-    .await
-    .unwrap();
+    let report = maintain(&mut client, MaintainOptions::default()).await;
     assert_eq!(report.count(PartitionAction::Dropped), 3, "{report:?}");
 
     // The CLI shows the warning about the default partition.
-    let out = Command::new(BIN)
-        .args(["partitions", "maintain", "--ahead", "3"])
-        .env("DATABASE_URL", &db.url)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = common::cli_ok(&db, &["partitions", "maintain", "--ahead", "3"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("outbox_default holds 1 rows"), "{text}");
 }
@@ -969,11 +883,7 @@ async fn partition_maintenance_gives_up_on_a_held_lock_and_keeps_inserts_safe() 
 async fn partitioning_refuses_a_non_empty_or_partitioned_outbox() {
     let db = common::test_db().await;
     let mut client = db.client().await.unwrap();
-    let out = Command::new(BIN)
-        .args(["partitions", "maintain"])
-        .env("DATABASE_URL", &db.url)
-        .output()
-        .unwrap();
+    let out = common::cli(&db, &["partitions", "maintain"]);
     assert!(!out.status.success());
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("not partitioned"),
@@ -988,16 +898,7 @@ async fn partitioning_refuses_a_non_empty_or_partitioned_outbox() {
     assert_eq!(count(&client, "SELECT count(*) FROM outbox").await, 1);
 
     client.batch_execute("DELETE FROM outbox").await.unwrap();
-    let out = Command::new(BIN)
-        .args(["partitions", "init", "--ahead", "1"])
-        .env("DATABASE_URL", &db.url)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = common::cli_ok(&db, &["partitions", "init", "--ahead", "1"]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("2 partitions created"));
     let err = partitions::init(&mut client, 1).await.unwrap_err();
     assert!(err.to_string().contains("already partitioned"), "{err}");
@@ -1060,41 +961,20 @@ async fn the_partitioned_outbox_has_every_column_and_index_of_the_migrated_one()
         WHERE tgrelid = 'outbox'::regclass AND NOT tgisinternal ORDER BY 1";
     let db = common::test_db().await;
     let mut client = db.client().await.unwrap();
-    let strings = |sql: &'static str| {
-        let client = &client;
-        async move {
-            client
-                .query(sql, &[])
-                .await
-                .unwrap()
-                .iter()
-                .map(|r| r.get::<_, String>(0))
-                .collect::<Vec<_>>()
-        }
-    };
     let (columns, indexes, triggers) = (
-        strings(COLUMNS).await,
-        strings(INDEXES).await,
-        strings(TRIGGERS).await,
+        common::column::<String, Vec<_>>(&client, COLUMNS).await,
+        common::column::<String, Vec<_>>(&client, INDEXES).await,
+        common::column::<String, Vec<_>>(&client, TRIGGERS).await,
     );
     assert_eq!(columns.len(), 18, "{columns:?}");
     assert!(indexes.len() >= 7, "{indexes:?}");
     assert_eq!(triggers.len(), 1, "{triggers:?}"); // no NOTIFY trigger (migration 0006)
     partitions::init(&mut client, 0).await.unwrap();
-    let strings = |sql: &'static str| {
-        let client = &client;
-        async move {
-            client
-                .query(sql, &[])
-                .await
-                .unwrap()
-                .iter()
-                .map(|r| r.get::<_, String>(0))
-                .collect::<Vec<_>>()
-        }
-    };
-    assert_eq!(strings(COLUMNS).await, columns);
-    let partitioned_indexes = strings(INDEXES).await;
+    assert_eq!(
+        common::column::<String, Vec<_>>(&client, COLUMNS).await,
+        columns
+    );
+    let partitioned_indexes = common::column::<String, Vec<_>>(&client, INDEXES).await;
     for index in &indexes {
         let expected = match index.split(':').next().unwrap() {
             // The two constraints partitioning must change (docs/partitioning.md).
@@ -1109,7 +989,7 @@ async fn the_partitioned_outbox_has_every_column_and_index_of_the_migrated_one()
             "{expected} missing from the partitioned outbox: {partitioned_indexes:?}"
         );
     }
-    let partitioned_triggers = strings(TRIGGERS).await;
+    let partitioned_triggers = common::column::<String, Vec<_>>(&client, TRIGGERS).await;
     for trigger in &triggers {
         assert!(partitioned_triggers.contains(trigger), "{trigger}");
     }

@@ -7,7 +7,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use common::{config, count, pending, wait_until};
+use common::{config, count, ordered_qstash_route, pending, wait_until};
 use outbox_client::{enqueue_many, NewEvent};
 use outbox_relay::config::PublishMode;
 use outbox_relay::store::Store;
@@ -16,13 +16,6 @@ use outbox_testkit::sink::SinkHandle;
 use outbox_testkit::TestDb;
 use serde_json::json;
 use uuid::Uuid;
-
-const ORDERED: &str = r#"
-[[routes]]
-event_type = "order.*"
-destination = "http://127.0.0.1:9/ordered/{event_type}"
-ordering = "partition_key_to_qstash"
-"#;
 
 async fn insert(db: &TestDb, events: Vec<NewEvent>) {
     let mut client = db.client().await.unwrap();
@@ -60,7 +53,7 @@ async fn a_handover_waits_until_no_request_of_the_shard_is_open() {
     )
     .await;
     let replica = |name: &str| {
-        let mut cfg = config(&db, &sink.url(), ORDERED);
+        let mut cfg = config(&db, &sink.url(), &ordered_qstash_route("order.*"));
         cfg.qstash.mode = PublishMode::Single;
         cfg.http.request_timeout = Duration::from_secs(10);
         cfg.relay.lease = Duration::from_secs(12);
@@ -120,7 +113,8 @@ async fn an_ordered_backlog_does_not_starve_unordered_types() {
     )
     .await;
     let routes = format!(
-        "{ORDERED}\n[[routes]]\nevent_type = \"*\"\ndestination = \"http://127.0.0.1:9/any\"\n"
+        "{}\n[[routes]]\nevent_type = \"*\"\ndestination = \"http://127.0.0.1:9/any\"\n",
+        ordered_qstash_route("order.*")
     );
     let mut cfg = config(&db, &sink.url(), &routes);
     cfg.relay.claim_batch = 100;
@@ -206,7 +200,7 @@ async fn a_reshard_while_the_relay_runs_keeps_every_key_in_order() {
         (0..keys * 10).map(|i| ordered_event(i, i % keys)).collect(),
     )
     .await;
-    let mut cfg = config(&db, &sink.url(), ORDERED);
+    let mut cfg = config(&db, &sink.url(), &ordered_qstash_route("order.*"));
     cfg.qstash.mode = PublishMode::Single;
     let relay = Relay::start(cfg).await.unwrap();
     assert!(
@@ -267,7 +261,7 @@ async fn producers_that_straddle_a_reshard_are_not_lost_nor_blocking() {
     early_tx.commit().await.unwrap();
     open_tx.commit().await.unwrap();
     let report = Relay::drain(
-        config(&db, &sink.url(), ORDERED),
+        config(&db, &sink.url(), &ordered_qstash_route("order.*")),
         Some(Duration::from_secs(60)),
     )
     .await

@@ -17,15 +17,7 @@ fn start(db: &TestDb, sink: &SinkHandle, args: &[&str]) -> RelayProcess {
 }
 
 async fn keys(db: &TestDb, sql: &str) -> HashSet<String> {
-    db.client()
-        .await
-        .unwrap()
-        .query(sql, &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect()
+    common::column(&db.client().await.unwrap(), sql).await
 }
 
 async fn live_leases(db: &TestDb) -> HashSet<String> {

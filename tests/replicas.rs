@@ -6,10 +6,8 @@
 mod common;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::BIN;
 use common::{config_toml, count, insert_events, pending, wait_until};
 use nix::sys::signal::Signal;
 use outbox_relay::store::outbox::{no_cursor, ClaimScope, Held, Write};
@@ -19,13 +17,6 @@ use outbox_testkit::sink::{Received, SinkHandle};
 use outbox_testkit::TestDb;
 
 const SHARDS: u32 = 16;
-
-const ORDERED_ROUTE: &str = r#"
-[[routes]]
-event_type = "*"
-destination = "http://127.0.0.1:9/hook/{event_type}"
-ordering = "partition_key_to_qstash"
-"#;
 
 /// The engine tests' config, with 16 shards, a name, a metrics port, a 2 s
 /// shard lease, and the row lease and request timeout given.
@@ -41,7 +32,7 @@ fn replica_toml(
     // test can tell when a stopped replica has no statement left running.
     let sep = if db.url.contains('?') { '&' } else { '?' };
     let url = format!("{}{sep}application_name=replica-{name}", db.url);
-    config_toml(db, &sink.url(), ORDERED_ROUTE)
+    config_toml(db, &sink.url(), &common::ordered_qstash_route("*"))
         .replace(
             &format!("url = \"{}\"", db.url),
             &format!("url = \"{url}\""),
@@ -274,16 +265,7 @@ async fn three_replicas_split_sixteen_shards_and_deliver_everything_in_order() {
         assert!(acquired >= owned, "{}: handovers {acquired}", r.name);
     }
     // `stats` shows the replicas and what each holds.
-    let out = Command::new(BIN)
-        .args(["stats", "--json"])
-        .env("DATABASE_URL", &db.url)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = common::cli_ok(&db, &["stats", "--json"]);
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let listed: Vec<(String, usize, bool)> = json["replicas"]
         .as_array()
@@ -302,11 +284,7 @@ async fn three_replicas_split_sixteen_shards_and_deliver_everything_in_order() {
         assert!(names.contains(&name.as_str()) && *alive, "{listed:?}");
         assert!((5..=6).contains(shards), "{listed:?}");
     }
-    let text = Command::new(BIN)
-        .args(["stats"])
-        .env("DATABASE_URL", &db.url)
-        .output()
-        .unwrap();
+    let text = common::cli(&db, &["stats"]);
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(
         text.contains("replica") && text.contains("every shard is held"),

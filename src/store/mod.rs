@@ -19,6 +19,28 @@
 //! - [`probe`]: the listener's cheap look at the outbox's id sequence.
 //! - [`migrate`]: the schema, created and upgraded online.
 
+/// `DELETE` of at most `$2` rows of `$table` whose `$column` is before `$1`,
+/// oldest first, found by `ctid` (tables without a single-column key) and
+/// checked again on the row itself: one short statement of a batched prune.
+macro_rules! delete_oldest {
+    ($table:literal, $column:literal) => {
+        concat!(
+            "DELETE FROM ",
+            $table,
+            " WHERE ctid = ANY(ARRAY(SELECT ctid FROM ",
+            $table,
+            " WHERE ",
+            $column,
+            " < $1 ORDER BY ",
+            $column,
+            " LIMIT $2))",
+            " AND ",
+            $column,
+            " < $1"
+        )
+    };
+}
+
 pub mod conn;
 pub mod dead_letters;
 pub mod migrate;

@@ -123,14 +123,7 @@ SELECT least($1::timestamptz,
               WHERE published_at IS NULL AND dead_lettered_at IS NULL),
              (SELECT min(created_at) FROM outbox WHERE dead_lettered_at IS NOT NULL))";
 
-const DELETE_KEYS_SQL: &str = "
-DELETE FROM outbox_idempotency_keys
-WHERE ctid = ANY(ARRAY(
-        SELECT ctid FROM outbox_idempotency_keys
-        WHERE created_at < $1
-        ORDER BY created_at
-        LIMIT $2))
-  AND created_at < $1";
+const DELETE_KEYS_SQL: &str = delete_oldest!("outbox_idempotency_keys", "created_at");
 
 /// Is the `outbox` table partitioned?
 pub async fn is_partitioned(client: &Client) -> Result<bool, tokio_postgres::Error> {

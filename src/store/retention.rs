@@ -62,21 +62,20 @@ WHERE id = ANY(ARRAY(
   AND published_at < $1
   AND dead_lettered_at IS NULL";
 
-const DELETE_PROCESSED_SQL: &str = "
-DELETE FROM processed_messages
-WHERE ctid = ANY(ARRAY(
-        SELECT ctid FROM processed_messages
-        WHERE processed_at < $1
-        ORDER BY processed_at
-        LIMIT $2))
-  AND processed_at < $1";
+const DELETE_PROCESSED_SQL: &str = delete_oldest!("processed_messages", "processed_at");
 
 /// Deletes published outbox rows, then (if asked) old `processed_messages`.
 /// `client` must not be inside a transaction: every batch commits on its own.
 pub async fn prune(client: &Client, options: &PruneOptions) -> Result<PruneReport, StoreError> {
-    let outbox = prune_published(client, options.published_older_than, options.batch).await?;
+    let outbox = prune_table(
+        client,
+        Prunable::Published,
+        options.published_older_than,
+        options.batch,
+    )
+    .await?;
     let processed_messages = match options.processed_older_than {
-        Some(age) => Some(prune_processed(client, age, options.batch).await?),
+        Some(age) => Some(prune_table(client, Prunable::Processed, age, options.batch).await?),
         None => None,
     };
     Ok(PruneReport {
@@ -85,30 +84,27 @@ pub async fn prune(client: &Client, options: &PruneOptions) -> Result<PruneRepor
     })
 }
 
-/// Deletes outbox rows published before `now() - older_than`, `batch` at a time.
-pub async fn prune_published(
-    client: &Client,
-    older_than: Duration,
-    batch: u32,
-) -> Result<TablePrune, StoreError> {
-    delete_in_batches(client, DELETE_PUBLISHED_SQL, older_than, batch).await
+/// A table pruned oldest rows first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Prunable {
+    /// Outbox rows published (and not dead-lettered) before the cutoff.
+    Published,
+    /// Consumers' `processed_messages` rows processed before the cutoff.
+    Processed,
 }
 
-/// Deletes `processed_messages` rows processed before `now() - older_than`.
-pub async fn prune_processed(
+/// Deletes `table`'s rows older than `now() - older_than`, `batch` at a time,
+/// each statement its own transaction.
+pub async fn prune_table(
     client: &Client,
+    table: Prunable,
     older_than: Duration,
     batch: u32,
 ) -> Result<TablePrune, StoreError> {
-    delete_in_batches(client, DELETE_PROCESSED_SQL, older_than, batch).await
-}
-
-async fn delete_in_batches(
-    client: &Client,
-    sql: &str,
-    older_than: Duration,
-    batch: u32,
-) -> Result<TablePrune, StoreError> {
+    let sql = match table {
+        Prunable::Published => DELETE_PUBLISHED_SQL,
+        Prunable::Processed => DELETE_PROCESSED_SQL,
+    };
     let cutoff: DateTime<Utc> = client
         .query_one(CUTOFF_SQL, &[&older_than.as_secs_f64()])
         .await?

@@ -8,6 +8,45 @@ use super::outbox::{Held, Write, CLAIM_HEADS, MARK};
 use super::*;
 use crate::testing::{RelayTestDb as _, TestDb};
 
+/// `n` pending `order.placed` rows over `keys` partition keys (`p0`, `p1`, …),
+/// row `g` holding key `p{g % keys}` and idempotency key `k{g}`.
+async fn fill(client: &tokio_postgres::Client, n: i32, keys: i32) {
+    client
+        .execute(
+            "INSERT INTO outbox (tenant_id, aggregate_type, aggregate_id, event_type, payload, idempotency_key, partition_key)
+             SELECT gen_random_uuid(), 'order', 'a' || g, 'order.placed', '{}', 'k' || g, 'p' || (g % $2)
+             FROM generate_series(1, $1::int4) g",
+            &[&n, &keys],
+        )
+        .await
+        .unwrap();
+}
+
+/// The plan PostgreSQL's generic plan for `sql` takes with `params`: what a
+/// prepared statement of the relay runs after its fifth execution.
+async fn generic_plan(
+    client: &tokio_postgres::Client,
+    sql: &Sql,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> String {
+    client
+        .batch_execute("SET plan_cache_mode = force_generic_plan")
+        .await
+        .unwrap();
+    let explain = client
+        .prepare_typed(&format!("EXPLAIN {}", sql.text), sql.types)
+        .await
+        .unwrap();
+    let lines: Vec<String> = client
+        .query(&explain, params)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    lines.join("\n")
+}
+
 #[test]
 fn the_backoff_doubles_to_five_seconds() {
     assert_eq!(reconnect_delay(1), Duration::from_millis(100));
@@ -36,36 +75,25 @@ async fn the_mark_update_goes_through_the_primary_key_on_a_fresh_backlog() {
     let db = TestDb::new().await.unwrap();
     let client = db.client().await.unwrap();
     // A backlog written in bulk, as after a COPY or a burst: no ANALYZE ran.
+    fill(&client, 20_000, 100).await;
     client
         .batch_execute(
-            "INSERT INTO outbox (tenant_id, aggregate_type, aggregate_id, event_type, payload, idempotency_key, partition_key)
-             SELECT gen_random_uuid(), 'order', 'a' || g, 'order.placed', '{}', 'k' || g, 'p' || (g % 100)
-             FROM generate_series(1, 20000) g;
-             UPDATE outbox SET attempt_count = 1, locked_until = now() + interval '1 minute';",
+            "UPDATE outbox SET attempt_count = 1, locked_until = now() + interval '1 minute'",
         )
         .await
         .unwrap();
-    // The relay's prepared statement switches to the generic plan after five runs.
-    client
-        .batch_execute("SET plan_cache_mode = force_generic_plan")
-        .await
-        .unwrap();
-    let explain = format!("EXPLAIN {}", MARK.text);
-    let stmt = client.prepare_typed(&explain, MARK.types).await.unwrap();
     let ids: Vec<i64> = (1..=1000).collect();
     let attempts = vec![1i32; 1000];
     let kinds = vec![1i16; 1000];
     let delays = vec![0i64; 1000];
     let errors: Vec<Option<&str>> = vec![None; 1000];
     let tokens = vec![1i64; 1000];
-    let plan: Vec<String> = client
-        .query(&stmt, &[&ids, &attempts, &kinds, &delays, &errors, &tokens])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    let plan = plan.join("\n");
+    let plan = generic_plan(
+        &client,
+        &MARK,
+        &[&ids, &attempts, &kinds, &delays, &errors, &tokens],
+    )
+    .await;
     // By primary key (nested loop over the batch), or one hash join over the
     // table when the planner thinks it is small; never the pending set joined
     // row by row with the batch (a nested loop whose join filter compares
@@ -98,41 +126,24 @@ async fn the_mark_update_goes_through_the_primary_key_on_a_fresh_backlog() {
 async fn the_ordered_claim_goes_through_the_primary_key_on_a_fresh_backlog() {
     let db = TestDb::new().await.unwrap();
     let client = db.client().await.unwrap();
-    client
-        .batch_execute(
-            "INSERT INTO outbox (tenant_id, aggregate_type, aggregate_id, event_type, payload, idempotency_key, partition_key)
-             SELECT gen_random_uuid(), 'order', 'a' || g, 'order.placed', '{}', 'k' || g, 'p' || (g % 500)
-             FROM generate_series(1, 20000) g;
-             SET plan_cache_mode = force_generic_plan;",
-        )
-        .await
-        .unwrap();
-    let stmt = client
-        .prepare_typed(&format!("EXPLAIN {}", CLAIM_HEADS.text), CLAIM_HEADS.types)
-        .await
-        .unwrap();
+    fill(&client, 20_000, 500).await;
     let patterns = vec!["%".to_owned()];
-    let plan: Vec<String> = client
-        .query(
-            &stmt,
-            &[
-                &500i64,
-                &0i16,
-                &patterns,
-                &i16::MIN,
-                &"",
-                &1i64,
-                &vec![1i64, 2],
-            ],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let plan = generic_plan(
+        &client,
+        &CLAIM_HEADS,
+        &[
+            &500i64,
+            &0i16,
+            &patterns,
+            &i16::MIN,
+            &"",
+            &1i64,
+            &vec![1i64, 2],
+        ],
+    )
+    .await;
     // The walk goes through the key index; each head is read by primary key,
     // one at a time, never hash-joined with the outbox.
-    let plan = plan.join("\n");
     assert!(
         !plan.contains("Hash"),
         "the heads are checked one by one, not hash-joined with the outbox:\n{plan}"
@@ -157,12 +168,10 @@ async fn the_ordered_claim_goes_through_the_primary_key_on_a_fresh_backlog() {
 async fn a_mark_the_database_refuses_does_not_hold_back_the_others() {
     let db = TestDb::new().await.unwrap();
     let client = db.client().await.unwrap();
+    fill(&client, 5, 5).await;
     client
         .batch_execute(
-            "INSERT INTO outbox (tenant_id, aggregate_type, aggregate_id, event_type, payload, idempotency_key)
-             SELECT gen_random_uuid(), 'order', 'o' || i, 'order.placed', '{}', 'k' || i
-             FROM generate_series(1, 5) AS i;
-             UPDATE outbox SET attempt_count = 1, locked_until = now() + interval '1 hour';
+            "UPDATE outbox SET attempt_count = 1, locked_until = now() + interval '1 hour';
              UPDATE outbox_relay_shard_leases
                 SET owner = 'test', token = 7, lease_until = now() + interval '1 hour';",
         )
@@ -303,14 +312,7 @@ async fn a_reshard_after_leases_that_ended_makes_the_next_owner_wait() {
 async fn claims_leave_out_the_rows_in_flight() {
     let db = TestDb::new().await.unwrap();
     let client = db.client().await.unwrap();
-    client
-        .batch_execute(
-            "INSERT INTO outbox (tenant_id, aggregate_type, aggregate_id, event_type, payload, idempotency_key)
-             SELECT gen_random_uuid(), 'order', 'o' || (i % 3), 'order.placed', '{}', 'k' || i
-             FROM generate_series(1, 9) AS i",
-        )
-        .await
-        .unwrap();
+    fill(&client, 9, 3).await;
     let store = Store::with_pool(db.pool(2).unwrap());
     store.reshard(1).await.unwrap();
     let fence = store

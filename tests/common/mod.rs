@@ -48,6 +48,40 @@ pub async fn start_sink_on(addr: SocketAddr) -> SinkHandle {
     .expect("the sink starts")
 }
 
+/// Each `(toml, key)`: the config is refused with an error naming `key`.
+pub fn assert_config_errors_name(cases: &[(&str, &str)]) {
+    for &(toml, key) in cases {
+        let err = Config::from_toml_str(toml).expect_err(toml).to_string();
+        assert!(
+            err.contains(key),
+            "error for {toml:?} should name `{key}`: {err}"
+        );
+    }
+}
+
+/// `outbox-relay ARGS` against `db` (its `DATABASE_URL`, no config file),
+/// run to the end.
+pub fn cli(db: &TestDb, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(BIN)
+        .args(args)
+        .env("DATABASE_URL", &db.url)
+        .env_remove("OUTBOX_RELAY_LOG")
+        .output()
+        .expect("the relay binary runs")
+}
+
+/// The same, which must succeed (its stderr shown when it does not).
+pub fn cli_ok(db: &TestDb, args: &[&str]) -> std::process::Output {
+    let out = cli(db, args);
+    assert!(
+        out.status.success(),
+        "`outbox-relay {}`: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
 /// `outbox-relay <subcommand…> --config <a file holding config_toml>`,
 /// logging warnings to the test's stderr.
 pub fn spawn_relay(subcommand: &[&str], config_toml: &str, stdout: Output) -> RelayProcess {
@@ -110,11 +144,47 @@ pub fn config_toml(db: &TestDb, sink_url: &str, routes: &str) -> String {
     )
 }
 
+/// [`config_toml`] with `overrides` (TOML) laid over it key by key, routes
+/// last.
+pub fn config_toml_with(db: &TestDb, sink_url: &str, overrides: &str, routes: &str) -> String {
+    fn lay(base: &mut toml::Table, over: toml::Table) {
+        for (key, value) in over {
+            match (base.get_mut(&key), value) {
+                (Some(toml::Value::Table(b)), toml::Value::Table(o)) => lay(b, o),
+                (_, value) => {
+                    base.insert(key, value);
+                }
+            }
+        }
+    }
+    let mut base: toml::Table = config_toml(db, sink_url, "")
+        .parse()
+        .expect("the test config is TOML");
+    lay(
+        &mut base,
+        overrides.parse().expect("the overrides are TOML"),
+    );
+    format!("{base}\n{routes}")
+}
+
 pub const QSTASH_ROUTE: &str = r#"
 [[routes]]
 event_type = "*"
 destination = "http://127.0.0.1:9/hook/{event_type}"
 "#;
+
+/// A QStash route for `event_type` keeping each partition key's order as far
+/// as QStash (`partition_key_to_qstash`).
+pub fn ordered_qstash_route(event_type: &str) -> String {
+    format!(
+        r#"
+[[routes]]
+event_type = "{event_type}"
+destination = "http://127.0.0.1:9/hook/{{event_type}}"
+ordering = "partition_key_to_qstash"
+"#
+    )
+}
 
 pub fn event(i: usize, key: &str) -> NewEvent {
     let (agg_type, agg_id) = key.split_once(':').unwrap_or(("order", key));
@@ -142,13 +212,31 @@ pub async fn insert_events(db: &TestDb, n: usize, keys: usize) {
     }
 }
 
-pub async fn count(db: &TestDb, sql: &str) -> i64 {
-    db.client()
+/// The first column of every row `sql` returns, collected as the caller asks.
+pub async fn column<T, C>(client: &tokio_postgres::Client, sql: &str) -> C
+where
+    T: for<'a> tokio_postgres::types::FromSql<'a>,
+    C: FromIterator<T>,
+{
+    client
+        .query(sql, &[])
         .await
-        .unwrap()
+        .expect("the query runs")
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+pub async fn count(db: &TestDb, sql: &str) -> i64 {
+    count_on(&db.client().await.unwrap(), sql).await
+}
+
+/// The single number `sql` returns, on `client`.
+pub async fn count_on(client: &tokio_postgres::Client, sql: &str) -> i64 {
+    client
         .query_one(sql, &[])
         .await
-        .unwrap()
+        .expect("the query runs")
         .get(0)
 }
 

@@ -30,15 +30,8 @@ enum Command {
         /// Events to preload and drain.
         #[arg(long, default_value_t = 20_000)]
         events: u64,
-        /// A server to create the run's database on; a throwaway cluster when absent.
-        #[arg(long, env = "DATABASE_URL")]
-        database_url: Option<String>,
-        /// An `outbox-relay` binary to test; by default the relay engine built
-        /// into this binary runs as the child process.
-        #[arg(long)]
-        relay_bin: Option<PathBuf>,
-        #[arg(long, default_value = "target/loadtest")]
-        out: PathBuf,
+        #[command(flatten)]
+        target: Target,
     },
     /// Serve the QStash-compatible sink until Ctrl-C, then print its stats.
     Sink(SinkArgs),
@@ -60,7 +53,6 @@ enum Command {
         #[command(flatten)]
         mix: MixArgs,
     },
-    /// Write a backlog with binary COPY.
     /// The relay's claim and mark statements alone, no HTTP: drains the pending
     /// rows (after preloading --events, if given) and prints rows/s.
     SqlCeiling {
@@ -74,6 +66,7 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Write a backlog with binary COPY.
     Preload {
         #[arg(long, env = "DATABASE_URL")]
         database_url: String,
@@ -87,18 +80,8 @@ enum Command {
     /// Run a scenario file end to end (needs the relay binary).
     Run {
         scenario: PathBuf,
-        /// Server to create the run's database on; a throwaway cluster when absent.
-        #[arg(long, env = "DATABASE_URL")]
-        database_url: Option<String>,
-        /// The relay binary, or `embedded` for the relay engine built into this
-        /// binary; default: `outbox-relay` next to this binary if it is at least
-        /// as new as the library, else `embedded`.
-        #[arg(long)]
-        relay_bin: Option<PathBuf>,
-        /// Where relay.toml, relay.log (relay-<i>.toml, relay-<i>.log per
-        /// replica when the scenario runs several), report.json and report.svg go.
-        #[arg(long, default_value = "target/loadtest")]
-        out: PathBuf,
+        #[command(flatten)]
+        target: Target,
         #[arg(long)]
         keep_database: bool,
         #[arg(long)]
@@ -122,6 +105,23 @@ enum EmbeddedRelayCommand {
         #[arg(long)]
         config: PathBuf,
     },
+}
+
+/// Where a run happens: its database server, the relay it drives, its files.
+#[derive(Args)]
+struct Target {
+    /// Server to create the run's database on; a throwaway cluster when absent.
+    #[arg(long, env = "DATABASE_URL")]
+    database_url: Option<String>,
+    /// The relay binary, or `embedded` for the relay engine built into this
+    /// binary. Default: `demo` runs `embedded`; `run` runs `outbox-relay` next
+    /// to this binary if it is at least as new as the library, else `embedded`.
+    #[arg(long)]
+    relay_bin: Option<PathBuf>,
+    /// Where relay.toml, relay.log (relay-<i>.toml, relay-<i>.log per
+    /// replica when the scenario runs several), report.json and report.svg go.
+    #[arg(long, default_value = "target/loadtest")]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -362,9 +362,12 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         }
         Command::Run {
             scenario,
-            database_url,
-            relay_bin,
-            out,
+            target:
+                Target {
+                    database_url,
+                    relay_bin,
+                    out,
+                },
             keep_database,
             no_progress,
         } => {
@@ -376,21 +379,16 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             if let Some(bin) = relay_bin {
                 opts.relay = relay_program(bin)?;
             }
-            eprintln!("relay: {}", opts.relay.describe());
-            let report = run_scenario(&scenario, &opts).await?;
-            print!("{}", report.table());
-            println!("report: {}", opts.out_dir.join("report.json").display());
-            Ok(if report.passed {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
-            })
+            run_and_report(&scenario, &opts).await
         }
         Command::Demo {
             events,
-            database_url,
-            relay_bin,
-            out,
+            target:
+                Target {
+                    database_url,
+                    relay_bin,
+                    out,
+                },
         } => {
             let scenario = Scenario::from_toml_str(&demo_scenario(events))?;
             let mut opts = RunOptions::new(out.join(&scenario.name));
@@ -405,16 +403,8 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 ),
             }
             opts.database_url = database_url;
-            eprintln!("relay: {}", opts.relay.describe());
             eprintln!("draining {events} preloaded events ...");
-            let report = run_scenario(&scenario, &opts).await?;
-            print!("{}", report.table());
-            println!("report: {}", opts.out_dir.join("report.json").display());
-            Ok(if report.passed {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
-            })
+            run_and_report(&scenario, &opts).await
         }
         Command::EmbeddedRelay { command } => match command {
             EmbeddedRelayCommand::Migrate => {
@@ -431,6 +421,20 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             }
         },
     }
+}
+
+/// Runs `scenario`, prints its table and where the report went; fails the
+/// process when the run did not pass.
+async fn run_and_report(scenario: &Scenario, opts: &RunOptions) -> anyhow::Result<ExitCode> {
+    eprintln!("relay: {}", opts.relay.describe());
+    let report = run_scenario(scenario, opts).await?;
+    print!("{}", report.table());
+    println!("report: {}", opts.out_dir.join("report.json").display());
+    Ok(if report.passed {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 /// `embedded`, or a path to an `outbox-relay` binary.

@@ -644,61 +644,22 @@ impl Report {
             root.fill(&WHITE).map_err(|e| e.to_string())?;
             let (top, bottom) = root.split_vertically(300);
             let end = self.series.last().map(|p| p.second + 1).unwrap_or(1);
-            let max_tp = self
-                .series
-                .iter()
-                .map(|p| p.delivered)
-                .max()
-                .unwrap_or(0)
-                .max(1);
-            let mut chart = ChartBuilder::on(&top)
-                .caption(
-                    format!("{}: delivered events/s", self.scenario),
-                    ("sans-serif", 18),
-                )
-                .margin(10)
-                .x_label_area_size(30)
-                .y_label_area_size(60)
-                .build_cartesian_2d(0u64..end, 0u64..max_tp + max_tp / 10 + 1)
-                .map_err(|e| e.to_string())?;
-            chart
-                .configure_mesh()
-                .x_desc("s")
-                .draw()
-                .map_err(|e| e.to_string())?;
-            chart
-                .draw_series(LineSeries::new(
-                    self.series.iter().map(|p| (p.second, p.delivered)),
-                    &BLUE,
-                ))
-                .map_err(|e| e.to_string())?;
-            let max_p99 = self
-                .series
-                .iter()
-                .filter_map(|p| p.p99_us)
-                .max()
-                .unwrap_or(0) as f64
-                / 1000.0;
-            let mut chart = ChartBuilder::on(&bottom)
-                .caption("latency p99 (ms)", ("sans-serif", 18))
-                .margin(10)
-                .x_label_area_size(30)
-                .y_label_area_size(60)
-                .build_cartesian_2d(0u64..end, 0f64..(max_p99 * 1.1).max(1.0))
-                .map_err(|e| e.to_string())?;
-            chart
-                .configure_mesh()
-                .x_desc("s")
-                .draw()
-                .map_err(|e| e.to_string())?;
-            chart
-                .draw_series(LineSeries::new(
-                    self.series
-                        .iter()
-                        .filter_map(|p| p.p99_us.map(|v| (p.second, v as f64 / 1000.0))),
-                    &RED,
-                ))
-                .map_err(|e| e.to_string())?;
+            line_panel(
+                &top,
+                &format!("{}: delivered events/s", self.scenario),
+                end,
+                self.series.iter().map(|p| (p.second, p.delivered as f64)),
+                &BLUE,
+            )?;
+            line_panel(
+                &bottom,
+                "latency p99 (ms)",
+                end,
+                self.series
+                    .iter()
+                    .filter_map(|p| p.p99_us.map(|v| (p.second, v as f64 / 1000.0))),
+                &RED,
+            )?;
             root.present().map_err(|e| e.to_string())?;
         }
         Ok(svg)
@@ -708,6 +669,35 @@ impl Report {
         let svg = self.svg().map_err(std::io::Error::other)?;
         std::fs::write(path, svg)
     }
+}
+
+/// One panel of [`Report::svg`]: `points` (second, value) as a line over
+/// `0..end` seconds, the y axis a tenth above the largest value.
+fn line_panel<DB: plotters::prelude::DrawingBackend>(
+    area: &plotters::prelude::DrawingArea<DB, plotters::coord::Shift>,
+    caption: &str,
+    end: u64,
+    points: impl Iterator<Item = (u64, f64)> + Clone,
+    color: &plotters::prelude::RGBColor,
+) -> Result<(), String> {
+    use plotters::prelude::*;
+    let max = points.clone().map(|(_, v)| v).fold(0.0, f64::max);
+    let mut chart = ChartBuilder::on(area)
+        .caption(caption, ("sans-serif", 18))
+        .margin(10)
+        .x_label_area_size(30)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0u64..end, 0f64..(max * 1.1).max(1.0))
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .x_desc("s")
+        .draw()
+        .map_err(|e| e.to_string())?;
+    chart
+        .draw_series(LineSeries::new(points, color))
+        .map_err(|e| e.to_string())?;
+    Ok(())
 }
 
 #[cfg(test)]

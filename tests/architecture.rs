@@ -243,6 +243,7 @@ fn scan_crate(src: &Path) -> CrateRefs {
     }
     // Files that are `#[cfg(test)] mod x;` of their parent.
     let mut test_files = BTreeSet::new();
+    let mut test_dirs = BTreeSet::new();
     for (file, (_, s)) in &scanned {
         let dir = if file
             .file_name()
@@ -254,9 +255,18 @@ fn scan_crate(src: &Path) -> CrateRefs {
         };
         for name in &s.test_files {
             test_files.insert(dir.join(format!("{name}.rs")));
-            test_files.insert(dir.join(name).join("mod.rs"));
+            test_dirs.insert(dir.join(name));
         }
     }
+    // A test module's own submodules (`tests/mod.rs` with `mod x;`) are test
+    // code too.
+    test_files.extend(
+        scanned
+            .keys()
+            .filter(|file| test_dirs.iter().any(|d| file.starts_with(d)))
+            .cloned()
+            .collect::<Vec<_>>(),
+    );
     // The crate roots declare the modules and re-export some of their items
     // (`crate::Config` is `crate::config::Config`); the binary is a crate of
     // its own.

@@ -743,7 +743,7 @@ async fn metrics_agree_with_the_database_after_retries_and_dead_letters() {
     for s in &m.samples {
         if s.name.starts_with("outbox_relay_") {
             assert!(
-                names::is_known_series(&s.name),
+                common::is_known_series(&s.name),
                 "{} is exported but not in metric_names",
                 s.name
             );

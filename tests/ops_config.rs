@@ -1,7 +1,10 @@
 //! The dashboard and the alert rules in `config/` name only metrics the relay
 //! exports (`metrics::names`), and every alert is complete.
 
-use outbox_relay::metrics::names::{is_known_series, HISTOGRAMS, METRIC_NAMES};
+mod common;
+
+use common::is_known_series;
+use outbox_relay::metrics::names::{HISTOGRAMS, METRIC_NAMES};
 use serde_json::Value;
 
 fn read(path: &str) -> String {

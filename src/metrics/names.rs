@@ -92,15 +92,3 @@ pub const PUBLISH_DURATION_SECONDS: &str = "outbox_relay_publish_duration_second
 pub const BATCH_SIZE: &str = "outbox_relay_batch_size";
 /// Histogram: from the event's `created_at` to the destination's acceptance.
 pub const COMMIT_TO_ACK_SECONDS: &str = "outbox_relay_commit_to_ack_seconds";
-
-/// Is `series` (as written in PromQL) one of ours, allowing the histogram suffixes?
-pub fn is_known_series(series: &str) -> bool {
-    if METRIC_NAMES.contains(&series) {
-        return true;
-    }
-    ["_bucket", "_sum", "_count"].iter().any(|suffix| {
-        series
-            .strip_suffix(suffix)
-            .is_some_and(|base| HISTOGRAMS.contains(&base))
-    })
-}

@@ -317,10 +317,10 @@ pub fn no_cursor() -> Cursor {
 }
 
 /// Where the key walk of an ordered claim resumes: `(bucket, partition_key)`.
-pub type KeyCursor = (i16, String);
+pub(crate) type KeyCursor = (i16, String);
 
 /// The key walk from the start of the shard.
-pub fn no_key_cursor() -> KeyCursor {
+pub(crate) fn no_key_cursor() -> KeyCursor {
     (i16::MIN, String::new())
 }
 
@@ -511,7 +511,7 @@ impl Session {
     /// Reads up to `limit` key heads of the ordered types, walking the
     /// shard's keys from after `key_cursor` (wrapping around); where the next
     /// walk starts is [`next_key_cursor`] of the heads the caller keeps.
-    pub async fn claim_heads(
+    pub(crate) async fn claim_heads(
         &mut self,
         scope: &ClaimScope<'_>,
         key_cursor: &KeyCursor,
@@ -702,7 +702,7 @@ impl Store {
 /// compare bytewise here; under a database collation that orders differently
 /// the resume point may be off by some keys, which costs fairness only (see
 /// `CLAIM_HEADS`).
-pub fn next_key_cursor<'a>(
+pub(crate) fn next_key_cursor<'a>(
     cursor: (i16, &str),
     claimed: impl IntoIterator<Item = (i16, &'a str)>,
 ) -> Option<KeyCursor> {
@@ -711,7 +711,7 @@ pub fn next_key_cursor<'a>(
 
 /// The key cursor after `claimed` heads: [`next_key_cursor`] of them, or the
 /// cursor as it was when there are none.
-pub fn key_cursor_after(cursor: &KeyCursor, claimed: &[Claimed]) -> KeyCursor {
+pub(crate) fn key_cursor_after(cursor: &KeyCursor, claimed: &[Claimed]) -> KeyCursor {
     next_key_cursor(
         (cursor.0, &cursor.1),
         claimed

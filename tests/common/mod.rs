@@ -266,3 +266,15 @@ pub async fn pending(db: &TestDb) -> i64 {
     )
     .await
 }
+
+/// Is `series` (as written in PromQL) one of ours, allowing the histogram suffixes?
+pub fn is_known_series(series: &str) -> bool {
+    if outbox_relay::metrics::names::METRIC_NAMES.contains(&series) {
+        return true;
+    }
+    ["_bucket", "_sum", "_count"].iter().any(|suffix| {
+        series
+            .strip_suffix(suffix)
+            .is_some_and(|base| outbox_relay::metrics::names::HISTOGRAMS.contains(&base))
+    })
+}

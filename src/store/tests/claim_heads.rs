@@ -6,18 +6,18 @@
 //! claim stops at its limit instead of taking the oldest heads of the whole
 //! shard. (That
 //! the claim checks each head through the primary key whatever the
-//! statistics say is tested beside the statement, in `src/store/tests.rs`.)
-
-mod common;
+//! statistics say is tested beside the other plans, in `tests/mod.rs`.)
 
 use std::collections::HashSet;
 use std::time::Duration;
 
-use outbox_relay::store::outbox::{
+use tokio_postgres::Client;
+
+use crate::store::outbox::{
     key_cursor_after, next_key_cursor, no_key_cursor, ClaimScope, KeyCursor,
 };
-use outbox_relay::store::{Fence, Session, ShardId, Store};
-use tokio_postgres::Client;
+use crate::store::{Fence, Session, ShardId, Store};
+use crate::testing::{RelayTestDb as _, TestDb};
 
 struct Claim {
     client: Client,
@@ -82,7 +82,7 @@ fn keys(got: &[(String, i64)]) -> Vec<&str> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_key_walk_resumes_after_its_cursor_and_wraps_around() {
-    let db = common::test_db().await;
+    let db = TestDb::new().await.unwrap();
     let client = db.client().await.unwrap();
     // Keys k0..k9 with three events each (ids in key-major order would make
     // age order and walk order agree; interleave them instead).
@@ -102,7 +102,16 @@ async fn the_key_walk_resumes_after_its_cursor_and_wraps_around() {
         .await
         .unwrap();
     // The walk's order: by bucket, then key.
-    let walk: Vec<String> = common::column(&client, "SELECT partition_key FROM outbox GROUP BY bucket, partition_key ORDER BY bucket, partition_key").await;
+    let walk: Vec<String> = client
+        .query(
+            "SELECT partition_key FROM outbox GROUP BY bucket, partition_key ORDER BY bucket, partition_key",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
     assert_eq!(walk.len(), 10);
     let w = |range: std::ops::Range<usize>| -> Vec<&str> {
         let mut keys: Vec<&str> = walk[range].iter().map(String::as_str).collect();

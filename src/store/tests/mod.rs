@@ -1,6 +1,9 @@
 //! The store's own tests: statement plans that must hold whatever the
-//! statistics say, and marks that one bad value must not hold back. Real
-//! PostgreSQL, a fresh database each.
+//! statistics say, marks that one bad value must not hold back, and the
+//! ordered claim's key walk (`claim_heads.rs`). Real PostgreSQL, a fresh
+//! database each.
+
+mod claim_heads;
 
 use std::time::Duration;
 

@@ -149,7 +149,7 @@ fn cycle(c: &mut Criterion) {
                     tx.commit().await.unwrap();
                 })
             },
-            |()| rt.block_on(outbox_relay::Relay::drain(cfg.clone(), Some(Duration::from_secs(60)))).unwrap(),
+            |()| rt.block_on(outbox_relay::drain(cfg.clone(), Some(Duration::from_secs(60)))).unwrap(),
             BatchSize::PerIteration,
         )
     });

@@ -2,11 +2,12 @@
 //! SIGTERM or SIGINT stops it gracefully; a second signal exits at once.
 
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use outbox_client::consumer::qstash::Verifier;
 
 use crate::config::Config;
-use crate::relay::Relay;
+use crate::relay::{DrainReport, Relay};
 use crate::server::callback::{self, CallbackOptions};
 use crate::server::ops::{self, OpsState, Readiness};
 
@@ -59,6 +60,53 @@ fn callback_options(config: &Config) -> CallbackOptions {
     options
 }
 
+/// Serves QStash's failure and delivery callbacks on `server.callback_bind`,
+/// when it is set, until `stop` changes.
+async fn serve_callbacks(
+    config: &Config,
+    relay: &Relay,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<()> {
+    let Some(addr) = config.server.callback_bind else {
+        return Ok(());
+    };
+    let verifier = Verifier::new(
+        config.qstash.current_signing_key.expose(),
+        Some(config.qstash.next_signing_key.expose()).filter(|k| !k.is_empty()),
+    )
+    .with_tolerance(config.server.signature_tolerance);
+    let (local, _task) = callback::serve(
+        addr,
+        relay.store().clone(),
+        verifier,
+        callback_options(config),
+        async move {
+            let _ = stop.changed().await;
+        },
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("server.callback_bind {addr}: {e}"))?;
+    tracing::info!(%local, "serving POST /qstash/failure and /qstash/callback");
+    Ok(())
+}
+
+/// The one-shot `drain`: runs the relay until nothing is due (or
+/// `max_duration` passes), then stops it gracefully. An ordered QStash route
+/// holds each event QStash took until its delivery callback, so the callback
+/// listener runs meanwhile and `drain` ends once those callbacks are in.
+pub async fn drain(config: Config, max_duration: Option<Duration>) -> anyhow::Result<DrainReport> {
+    let started = Instant::now();
+    let relay = start(&config).await?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    if let Err(e) = serve_callbacks(&config, &relay, stop_rx).await {
+        relay.shutdown().await;
+        return Err(e);
+    }
+    let report = relay.drain_started(max_duration, started).await;
+    let _ = stop_tx.send(true);
+    Ok(report?)
+}
+
 /// Runs until SIGTERM or SIGINT (exit 0), or until the actor tree gives up.
 pub async fn run_until_signal(config: Config) -> anyhow::Result<()> {
     let metrics = match crate::metrics::install() {
@@ -92,26 +140,7 @@ pub async fn run_until_signal(config: Config) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("server.metrics_bind {addr}: {e}"))?;
         tracing::info!(%local, "serving /metrics, /healthz, /readyz");
     }
-    if let Some(addr) = config.server.callback_bind {
-        let verifier = Verifier::new(
-            config.qstash.current_signing_key.expose(),
-            Some(config.qstash.next_signing_key.expose()).filter(|k| !k.is_empty()),
-        )
-        .with_tolerance(config.server.signature_tolerance);
-        let mut rx = stop_rx.clone();
-        let (local, _task) = callback::serve(
-            addr,
-            relay.store().clone(),
-            verifier,
-            callback_options(&config),
-            async move {
-                let _ = rx.changed().await;
-            },
-        )
-        .await
-        .map_err(|e| anyhow::anyhow!("server.callback_bind {addr}: {e}"))?;
-        tracing::info!(%local, "serving POST /qstash/failure and /qstash/callback");
-    }
+    serve_callbacks(&config, &relay, stop_rx.clone()).await?;
     let janitor = tokio::spawn({
         let mut rx = stop_rx.clone();
         crate::janitor::run_janitor(relay.store().clone(), config.janitor.clone(), async move {

@@ -38,6 +38,6 @@ mod testing;
 pub use actors::supervisor::ShutdownReport;
 pub use actors::CountersSnapshot;
 pub use config::Config;
-pub use daemon::run_until_signal;
+pub use daemon::{drain, run_until_signal};
 pub use redact::{HttpUrl, Secret};
 pub use relay::{DrainReport, Relay};

@@ -156,7 +156,7 @@ async fn dispatch(command: Command, config: Option<PathBuf>) -> anyhow::Result<E
         }
         Command::Drain { max_duration, json } => {
             let config = Config::load(config.as_deref())?;
-            let report = outbox_relay::Relay::drain(config, max_duration).await?;
+            let report = outbox_relay::drain(config, max_duration).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             } else {
@@ -177,6 +177,12 @@ async fn dispatch(command: Command, config: Option<PathBuf>) -> anyhow::Result<E
                         "scheduled for later"
                     };
                     line += &format!("; {} still pending ({why})", report.remaining);
+                    if report.held > 0 {
+                        line += &format!(
+                            ", {} of them taken by QStash and waiting for its delivery callback",
+                            report.held
+                        );
+                    }
                     if let Some(next) = report.next_due {
                         line += &format!(", the next due at {}", next.to_rfc3339());
                     }

@@ -77,6 +77,10 @@ pub struct DrainReport {
     pub remaining: i64,
     /// The earliest time a remaining row becomes due.
     pub next_due: Option<chrono::DateTime<chrono::Utc>>,
+    /// Of the remaining rows, those QStash took whose delivery callback had
+    /// not come (an ordered QStash route); a later run or the daemon settles
+    /// them when it comes, or sends them again when the hold runs out.
+    pub held: i64,
     pub timed_out: bool,
     /// The actor tree gave up (restart budget exhausted): `drain` fails.
     pub gave_up: bool,
@@ -309,20 +313,9 @@ impl Relay {
         report
     }
 
-    /// Runs until no row is due (or `max_duration` passes), then stops
-    /// gracefully. For cron-style deployments.
-    pub async fn drain(
-        config: Config,
-        max_duration: Option<Duration>,
-    ) -> Result<DrainReport, RelayError> {
-        let started = Instant::now();
-        Relay::start(config)
-            .await?
-            .drain_started(max_duration, started)
-            .await
-    }
-
-    /// Runs this relay until nothing is due, then stops it gracefully. Rows
+    /// Runs this relay until nothing is due or held for a delivery callback
+    /// (the caller serves the callbacks: `crate::drain`), then stops it
+    /// gracefully. Rows
     /// scheduled for later do not hold it up: a row whose producer set a
     /// future `available_at`, or whose retry is due further off than
     /// `relay.backoff_cap`, is left for the next run and reported.
@@ -336,7 +329,7 @@ impl Relay {
         let state = loop {
             tokio::time::sleep(self.drain_poll).await;
             let state = self.store.drain_state(self.drain_horizon).await?;
-            if state.due == 0 && self.in_flight() == 0 {
+            if state.due == 0 && state.held == 0 && self.in_flight() == 0 {
                 break state;
             }
             if max_duration.is_some_and(|d| started.elapsed() >= d) {
@@ -354,6 +347,7 @@ impl Relay {
             elapsed_secs: started.elapsed().as_secs_f64(),
             remaining: state.pending,
             next_due: state.next_due,
+            held: state.held,
             timed_out,
             gave_up,
         })

@@ -260,7 +260,7 @@ async fn producers_that_straddle_a_reshard_are_not_lost_nor_blocking() {
         .unwrap();
     early_tx.commit().await.unwrap();
     open_tx.commit().await.unwrap();
-    let report = Relay::drain(
+    let report = outbox_relay::drain(
         config(&db, &sink.url(), &ordered_qstash_route("order.*")),
         Some(Duration::from_secs(60)),
     )

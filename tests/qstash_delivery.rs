@@ -339,3 +339,80 @@ fn with_callback_listener(toml: &str, addr: std::net::SocketAddr) -> String {
         &format!("[qstash]\n        current_signing_key = \"{DEV_CURRENT_SIGNING_KEY}\""),
     )
 }
+
+/// `drain --max-duration <max>` with an ordered QStash route on 60 events,
+/// against the stand-in delivering to a destination that accepts all; the
+/// route's callback URL is the drain's own listener when `reachable`, else a
+/// port nobody listens on. The drain's JSON report and how long it ran.
+async fn drain_ordered_qstash(reachable: bool, max: &str) -> (serde_json::Value, Duration, i64) {
+    let db = common::test_db().await;
+    let dest = Destination::start(DestinationConfig::default())
+        .await
+        .unwrap();
+    let sink = Sink::start(SinkConfig {
+        delivery: Some(DeliveryConfig::default()),
+        ..SinkConfig::for_tests(common::TOKEN)
+    })
+    .await
+    .unwrap();
+    let listener = free_addr();
+    let called = if reachable { listener } else { free_addr() };
+    let routes = format!(
+        r#"
+        [[routes]]
+        event_type = "*"
+        destination = "{}/events"
+        ordering = "partition_key"
+        callback = "http://{called}{}"
+        "#,
+        dest.url(),
+        callback::CALLBACK_PATH
+    );
+    insert_events(&db, 60, 6).await;
+    let toml = with_callback_listener(&common::config_toml(&db, &sink.url(), &routes), listener);
+    let started = std::time::Instant::now();
+    let mut relay = common::spawn_relay(
+        &["drain", "--json", "--max-duration", max],
+        &toml,
+        outbox_testkit::relay::Output::Captured,
+    );
+    let status = relay
+        .exit_within(Duration::from_secs(90))
+        .await
+        .expect("drain exits");
+    assert!(status.success());
+    let report: serde_json::Value =
+        serde_json::from_str(&relay.read_stdout().await.unwrap()).unwrap();
+    let published = count(
+        &db,
+        "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL",
+    )
+    .await;
+    (report, started.elapsed(), published)
+}
+
+/// `drain` (the cron-style one-shot) with an ordered QStash route: the events
+/// QStash took are held for their delivery callbacks, so `drain` must receive
+/// those callbacks itself and end once they are in, not run into
+/// `--max-duration` with every row still held (or, without one, forever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_receives_the_delivery_callbacks_of_an_ordered_qstash_route() {
+    let (report, took, published) = drain_ordered_qstash(true, "40s").await;
+    assert_eq!(report["timed_out"], false, "{report}");
+    assert_eq!(report["remaining"], 0, "{report}");
+    assert_eq!(report["held"], 0, "{report}");
+    assert!(took < Duration::from_secs(30), "{took:?}: {report}");
+    assert_eq!(published, 60);
+}
+
+/// Callbacks that cannot reach the drain: it stops at `--max-duration` and
+/// says how many events wait for theirs, none of them published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_whose_callbacks_go_elsewhere_reports_the_events_still_held() {
+    let (report, _, published) = drain_ordered_qstash(false, "3s").await;
+    assert_eq!(report["timed_out"], true, "{report}");
+    assert_eq!(report["remaining"], 60, "{report}");
+    // One event of each of the six keys went out and is held.
+    assert_eq!(report["held"], 6, "{report}");
+    assert_eq!(published, 0);
+}

@@ -239,11 +239,13 @@ RETURNING o.id",
 /// Pending rows that are due (a retry counts as due when it comes within
 /// `$1` ms), all pending rows, and the earliest future `available_at`.
 const DRAIN_STATE: &str = "SELECT
-    count(*) FILTER (WHERE available_at <= now()
+    count(*) FILTER (WHERE NOT (accepted_at IS NOT NULL AND locked_until > now())
+        AND available_at <= now()
         + CASE WHEN attempt_count > 0 THEN $1::int8 * interval '1 millisecond'
                ELSE interval '0' END),
     count(*),
-    min(available_at) FILTER (WHERE available_at > now())
+    min(available_at) FILTER (WHERE available_at > now()),
+    count(*) FILTER (WHERE accepted_at IS NOT NULL AND locked_until > now())
 FROM outbox WHERE published_at IS NULL AND dead_lettered_at IS NULL";
 
 /// QStash gave up on a message: the row is dead-lettered if it is still on
@@ -431,9 +433,13 @@ pub struct Written {
 /// How far the drain has come.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct DrainState {
-    /// Pending rows due now (or retrying within the horizon asked for).
+    /// Pending rows due now (or retrying within the horizon asked for),
+    /// leaving out those held for a delivery callback.
     pub due: i64,
     pub pending: i64,
+    /// Rows QStash took for an ordered route, held until its delivery
+    /// callback says what the destination answered.
+    pub held: i64,
     /// The earliest time a row scheduled for later becomes due.
     pub next_due: Option<DateTime<Utc>>,
 }
@@ -614,6 +620,7 @@ impl Store {
             due: row.get(0),
             pending: row.get(1),
             next_due: row.get(2),
+            held: row.get(3),
         })
     }
 

@@ -110,9 +110,51 @@ where
     })
 }
 
-/// Every `interval`: samples the backlog gauges (one query), and decides
-/// readiness: is the database reachable, and is delivery moving? Not ready when the oldest pending row is older than `max_pending_age` and
-/// nothing was delivered since the previous check.
+/// How the sampler paces itself. The snapshot counts every pending row and
+/// dead letter, so it costs more the larger the outbox (about 0.2 s at a
+/// million pending rows): the next sample waits `interval`, or twenty times
+/// as long as the last one took if that is longer, which keeps sampling under
+/// 5% of one backend's time however large the backlog grows on the
+/// production database. A sample may take three times as long as the last
+/// (and at least two seconds, or `interval`) before the database is called
+/// unresponsive, so a large backlog alone does not make the relay unready.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Pace {
+    interval: Duration,
+    last_took: Duration,
+}
+
+impl Pace {
+    fn new(interval: Duration) -> Pace {
+        Pace {
+            interval,
+            last_took: Duration::ZERO,
+        }
+    }
+
+    /// From the end of one sample to the start of the next.
+    fn wait(&self) -> Duration {
+        self.interval.max(self.last_took * 20)
+    }
+
+    /// How long a sample may take before readiness says the database did
+    /// not answer.
+    fn limit(&self) -> Duration {
+        self.interval
+            .max(Duration::from_secs(2))
+            .max(self.last_took * 3)
+    }
+
+    /// Is the sampler slower than `interval` asks?
+    fn stretched(&self) -> bool {
+        self.wait() > self.interval
+    }
+}
+
+/// Samples the backlog gauges (one query) paced by [`Pace`], and decides
+/// readiness: is the database reachable, and is delivery moving? Not ready
+/// when the oldest pending row is older than `max_pending_age` and nothing
+/// was delivered since the previous check.
 pub(crate) async fn sample_forever(
     store: Store,
     counters: Arc<Counters>,
@@ -121,14 +163,27 @@ pub(crate) async fn sample_forever(
     max_pending_age: Duration,
 ) {
     let mut last_delivered = delivered(&counters);
-    let mut ticker = tokio::time::interval(interval);
+    let mut pace = Pace::new(interval);
     loop {
-        ticker.tick().await;
         let now_delivered = delivered(&counters);
         let progress = now_delivered - last_delivered;
         last_delivered = now_delivered;
-        let sampled =
-            tokio::time::timeout(interval.max(Duration::from_secs(2)), store.snapshot()).await;
+        let started = Instant::now();
+        let limit = pace.limit();
+        let sampled = tokio::time::timeout(limit, store.snapshot()).await;
+        let was_stretched = pace.stretched();
+        pace.last_took = started.elapsed().min(limit);
+        if pace.stretched() != was_stretched {
+            if pace.stretched() {
+                tracing::warn!(
+                    took = ?pace.last_took,
+                    every = ?pace.wait(),
+                    "the backlog snapshot is slow on this outbox: sampling less often than server.stats_interval, to spare the database"
+                );
+            } else {
+                tracing::info!(every = ?interval, "backlog sampling back to server.stats_interval");
+            }
+        }
         let next = match sampled {
             Ok(Ok(snapshot)) => {
                 record_snapshot(&snapshot);
@@ -154,6 +209,7 @@ pub(crate) async fn sample_forever(
             Err(_) => unreachable_db("database did not answer in time".into(), progress),
         };
         *readiness.lock().expect("readiness lock") = next;
+        tokio::time::sleep(pace.wait()).await;
     }
 }
 
@@ -191,6 +247,34 @@ fn record_snapshot(s: &Snapshot) {
 mod tests {
     use super::*;
     use std::sync::atomic::Ordering::Relaxed;
+
+    #[test]
+    fn a_slow_snapshot_spaces_the_next_and_is_not_called_unresponsive() {
+        let every = Duration::from_secs(5);
+        let mut pace = Pace::new(every);
+        assert_eq!(pace.wait(), every);
+        assert_eq!(pace.limit(), every);
+        assert!(!pace.stretched());
+        // A small outbox: the interval rules.
+        pace.last_took = Duration::from_millis(20);
+        assert_eq!(pace.wait(), every);
+        assert!(!pace.stretched());
+        // 0.9 s (a few million pending rows): the next sample waits 18 s, so
+        // sampling stays at 5% of a backend; 2.5 s is not "unresponsive"
+        // after that.
+        pace.last_took = Duration::from_millis(900);
+        assert_eq!(pace.wait(), Duration::from_secs(18));
+        assert!(pace.stretched());
+        assert_eq!(pace.limit(), every);
+        pace.last_took = Duration::from_millis(2_500);
+        assert_eq!(pace.wait(), Duration::from_secs(50));
+        assert_eq!(pace.limit(), Duration::from_millis(7_500));
+        // A short interval still gives the database two seconds.
+        assert_eq!(
+            Pace::new(Duration::from_millis(200)).limit(),
+            Duration::from_secs(2)
+        );
+    }
 
     #[test]
     fn a_hold_for_a_callback_counts_as_progress() {

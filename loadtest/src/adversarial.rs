@@ -449,6 +449,7 @@ pub fn justified(report: &AdversarialReport) -> BTreeSet<i64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use AnswerKind::{Accepted, AcceptedUnread, Failed, Rejected};
 
     const S: i64 = 1_000_000;
 
@@ -473,6 +474,13 @@ mod tests {
             outbox_id: id,
             kind,
         }
+    }
+
+    /// The answer events of each `(outbox id, [(second, kind)])`.
+    fn answers_by_row(rows: &[(i64, &[(i64, AnswerKind)])]) -> Vec<AnswerEvent> {
+        rows.iter()
+            .flat_map(|&(id, answers)| answers.iter().map(move |&(at_s, kind)| ans(at_s, id, kind)))
+            .collect()
     }
 
     fn progress(points: &[(i64, i64, i64)]) -> Vec<ProgressSample> {
@@ -538,24 +546,30 @@ mod tests {
                 Some("HTTP 404: not the 400 it was answered"),
             ),
         ];
-        let answers = [
-            ans(1, 1, AnswerKind::AcceptedUnread),
-            ans(2, 1, AnswerKind::Accepted),
-            ans(1, 2, AnswerKind::AcceptedUnread),
-            ans(1, 3, AnswerKind::Failed { status: 503 }),
-            ans(2, 3, AnswerKind::Rejected { status: 422 }),
-            ans(1, 4, AnswerKind::Rejected { status: 400 }),
-            ans(2, 4, AnswerKind::Failed { status: 503 }),
-            ans(1, 5, AnswerKind::Rejected { status: 400 }),
-            ans(1, 7, AnswerKind::Rejected { status: 400 }),
-            ans(1, 8, AnswerKind::Rejected { status: 400 }),
-            ans(11, 8, AnswerKind::Failed { status: 503 }),
-            ans(11, 9, AnswerKind::Failed { status: 503 }),
-            ans(1, 10, AnswerKind::Rejected { status: 400 }),
-            ans(1, 11, AnswerKind::Rejected { status: 200 }),
-            ans(1, 12, AnswerKind::Rejected { status: 200 }),
-            ans(1, 13, AnswerKind::Rejected { status: 400 }),
-        ];
+        // Each row's answers, (second, kind) in order.
+        let answers = answers_by_row(&[
+            (1, &[(1, AcceptedUnread), (2, Accepted)]),
+            (2, &[(1, AcceptedUnread)]),
+            (
+                3,
+                &[(1, Failed { status: 503 }), (2, Rejected { status: 422 })],
+            ),
+            (
+                4,
+                &[(1, Rejected { status: 400 }), (2, Failed { status: 503 })],
+            ),
+            (5, &[(1, Rejected { status: 400 })]),
+            (7, &[(1, Rejected { status: 400 })]),
+            (
+                8,
+                &[(1, Rejected { status: 400 }), (11, Failed { status: 503 })],
+            ),
+            (9, &[(11, Failed { status: 503 })]),
+            (10, &[(1, Rejected { status: 400 })]),
+            (11, &[(1, Rejected { status: 200 })]),
+            (12, &[(1, Rejected { status: 200 })]),
+            (13, &[(1, Rejected { status: 400 })]),
+        ]);
         let dead = [
             (3, 3 * S),
             (4, 3 * S),

@@ -27,7 +27,7 @@ use outbox_client::consumer::idempotent::{consume_once, prune_processed, Consume
 use outbox_client::consumer::qstash::{Clock, SignatureError, Verifier};
 use outbox_client::consumer::webhooks::{WebhookError, WebhookVerifier};
 use outbox_client::{enqueue, NewEvent};
-use outbox_relay::server::callback::{failure_callback_router, CallbackOptions};
+use outbox_relay::server::callback::{callback_router, CallbackOptions};
 use outbox_testkit::TestDb;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
@@ -1377,7 +1377,7 @@ async fn callback_server_with(
     options: CallbackOptions,
 ) -> (TestDb, outbox_relay::store::Pool, Server) {
     let (db, pool) = setup_db().await;
-    let server = serve(failure_callback_router(
+    let server = serve(callback_router(
         outbox_relay::store::Store::with_pool(pool.clone()),
         Verifier::new(CURRENT, Some(NEXT)),
         options,

@@ -409,7 +409,7 @@ async fn drain_receives_the_delivery_callbacks_of_an_ordered_qstash_route() {
 /// says how many events wait for theirs, none of them published.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_whose_callbacks_go_elsewhere_reports_the_events_still_held() {
-    let (report, _, published) = drain_ordered_qstash(false, "3s").await;
+    let (report, _, published) = drain_ordered_qstash(false, "6s").await;
     assert_eq!(report["timed_out"], true, "{report}");
     assert_eq!(report["remaining"], 60, "{report}");
     // One event of each of the six keys went out and is held.

@@ -129,6 +129,11 @@ latency = "1ms"
 jitter = "3ms"
 element_error = 0.01
 
+"#;
+
+/// The relay settings of the multi-replica runs: eight shards moving through
+/// 2 s shard leases, rows through 10 s leases.
+const REPLICAS_RELAY_CONFIG: &str = r#"
 [relay_config.http]
 request_timeout = "2s"
 
@@ -184,7 +189,8 @@ async fn chaos_loses_nothing_and_every_duplicate_keeps_its_dedup_id() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_killed_and_paused_lose_nothing_and_keep_key_order() {
     let _serial = SERIAL.lock().await;
-    let scenario = Scenario::from_toml_str(REPLICAS_SCENARIO).unwrap();
+    let scenario =
+        Scenario::from_toml_str(&format!("{REPLICAS_SCENARIO}{REPLICAS_RELAY_CONFIG}")).unwrap();
     let started = std::time::Instant::now();
     let TestRun {
         report,
@@ -343,26 +349,14 @@ check_order = true
 callback_retries = 10
 settle_timeout = "3m"
 
-[relay_config.http]
-request_timeout = "2s"
-
-[relay_config.relay]
-lease = "10s"
-shard_lease = "2s"
-shards = 8
-publishers = 2
-claim_batch = 100
-max_in_flight = 1000
-backoff_base = "100ms"
-backoff_cap = "2s"
-max_attempts = 1000
-shutdown_grace = "5s"
 "#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ordered_qstash_routes_keep_key_order_at_the_destination_through_chaos() {
     let _serial = SERIAL.lock().await;
-    let scenario = Scenario::from_toml_str(ORDERED_QSTASH_SCENARIO).unwrap();
+    let scenario =
+        Scenario::from_toml_str(&format!("{ORDERED_QSTASH_SCENARIO}{REPLICAS_RELAY_CONFIG}"))
+            .unwrap();
     let TestRun {
         report, context, ..
     } = run_in_test(&scenario, Duration::from_secs(600), 15).await;

@@ -125,7 +125,7 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)> {
     let (max_connections, idle_timeout) = (options.max_connections, options.idle_timeout);
-    let router = failure_callback_router(store, verifier, options);
+    let router = callback_router(store, verifier, options);
     super::guarded::serve(addr, router, max_connections, idle_timeout, shutdown).await
 }
 
@@ -137,11 +137,7 @@ struct CallbackState {
 }
 
 /// `POST /qstash/failure` and `POST /qstash/callback`.
-pub fn failure_callback_router(
-    store: Store,
-    verifier: Verifier,
-    options: CallbackOptions,
-) -> Router {
+pub fn callback_router(store: Store, verifier: Verifier, options: CallbackOptions) -> Router {
     let slots = Arc::new(Semaphore::new(options.max_concurrent.max(1)));
     Router::new()
         .route(FAILURE_PATH, post(failure_callback))
@@ -374,9 +370,6 @@ async fn record_outcome(
     }
 }
 
-/// The signature (key, times, and `sub` among the configured URLs) before a
-/// byte of the body is read; then the body within the size and time bounds;
-/// then its hash against the signature.
 /// A request slot (refused when all are taken) and the verified body: the
 /// slot is held while the report is written.
 async fn take_verified(
@@ -394,6 +387,9 @@ async fn take_verified(
     Ok((slot, body))
 }
 
+/// The signature (key, times, and `sub` among `urls`) before a byte of the
+/// body is read; then the body within the size and time bounds; then its
+/// hash against the signature.
 async fn read_verified(
     state: &CallbackState,
     urls: &[String],

@@ -328,7 +328,14 @@ impl Relay {
         let mut gave_up = false;
         let state = loop {
             tokio::time::sleep(self.drain_poll).await;
-            let state = self.store.drain_state(self.drain_horizon).await?;
+            let state = match self.store.drain_state(self.drain_horizon).await {
+                Ok(state) => state,
+                Err(e) => {
+                    // Not left running behind the error.
+                    self.shutdown().await;
+                    return Err(e.into());
+                }
+            };
             if state.due == 0 && state.held == 0 && self.in_flight() == 0 {
                 break state;
             }

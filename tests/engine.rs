@@ -675,3 +675,72 @@ async fn insert_events_from(db: &TestDb, start: usize, n: usize) {
         0
     );
 }
+
+/// A drain whose progress query fails returns the error, and the relay it
+/// ran is stopped with it: no actor or connection of it is left behind (the
+/// library's caller goes on living).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_that_fails_stops_its_relay() {
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
+    // The sink is down: the rows stay due and the drain keeps polling.
+    sink.set_rule(|_| Reply::Status(503, None));
+    insert_events(&db, 20, 2).await;
+    let drain = tokio::spawn(outbox_relay::drain(
+        config(&db, &sink.url(), QSTASH_ROUTE),
+        None,
+    ));
+    assert!(
+        wait_until(Duration::from_secs(30), || async {
+            !sink.received().is_empty()
+        })
+        .await,
+        "the drain never sent"
+    );
+    let client = db.client().await.unwrap();
+    client
+        .batch_execute("ALTER TABLE outbox RENAME TO outbox_elsewhere")
+        .await
+        .unwrap();
+    let result = tokio::time::timeout(Duration::from_secs(60), drain)
+        .await
+        .expect("the drain returns")
+        .unwrap();
+    assert!(result.is_err(), "{result:?}");
+    assert_no_relay_connection_stays(&client).await;
+}
+
+/// Within a few seconds, no connection of a relay (pool or listener) is open
+/// on the test database any more.
+async fn assert_no_relay_connection_stays(client: &tokio_postgres::Client) {
+    let relay_backends = || async {
+        common::count_on(
+            client,
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND application_name LIKE 'outbox-relay%'",
+        )
+        .await
+    };
+    assert!(
+        wait_until(Duration::from_secs(20), || async {
+            relay_backends().await == 0
+        })
+        .await,
+        "{} connections of the stopped relay are still open",
+        relay_backends().await
+    );
+}
+
+/// A relay shut down (here at the end of a drain) closes its pool and its
+/// listener's connection: an application embedding it keeps none of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_shut_down_leaves_no_connection_open() {
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
+    insert_events(&db, 20, 2).await;
+    let report = outbox_relay::drain(config(&db, &sink.url(), QSTASH_ROUTE), None)
+        .await
+        .unwrap();
+    assert_eq!(report.counters.published, 20);
+    assert_no_relay_connection_stays(&db.client().await.unwrap()).await;
+}

@@ -166,6 +166,12 @@ impl Actor for Supervisor {
             SupervisorMsg::Shutdown(reply) => {
                 state.stopping = true;
                 let report = shutdown(state).await;
+                // Whatever still runs stops before the reply (the listener,
+                // whose wake handle reaches the claimers and through them the
+                // pool): a relay shut down leaves no task or connection behind.
+                myself
+                    .stop_children_and_wait(Some("shutdown".into()), Some(Duration::from_secs(5)))
+                    .await;
                 let _ = reply.send(report);
                 myself.stop(Some("shutdown".into()));
             }

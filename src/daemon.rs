@@ -1,6 +1,7 @@
 //! The long-lived process: the HTTP endpoints, the actor tree, and signals.
 //! SIGTERM or SIGINT stops it gracefully; a second signal exits at once.
 
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -10,15 +11,23 @@ use crate::config::Config;
 use crate::relay::{DrainReport, Relay};
 use crate::server::callback::{self, CallbackOptions};
 use crate::server::ops::{self, OpsState, Readiness};
+use crate::store::Store;
 
 /// Starts the relay; a database that cannot be reached (or drops the
-/// connection) at start gets three more tries, 0.5, 1 and 2 s apart, before the
-/// daemon gives up. Configuration and schema problems stop it at once.
+/// connection) at start is tried again 0.5, 1, 2, … s later while that stays
+/// within `database.connect_timeout` of the first attempt (three more tries at
+/// the default 5 s); then the last attempt's error is returned. Configuration
+/// and schema problems, and errors the server reported (authentication, a
+/// missing database), stop it at once.
 async fn start(config: &Config) -> Result<Relay, crate::relay::RelayError> {
-    let mut delay = std::time::Duration::from_millis(500);
-    for _ in 0..3 {
+    let started = Instant::now();
+    let mut delay = Duration::from_millis(500);
+    loop {
         match Relay::start(config.clone()).await {
-            Err(e) if e.is_transient() => {
+            Err(e)
+                if e.is_transient()
+                    && started.elapsed() + delay <= config.database.connect_timeout =>
+            {
                 tracing::warn!(error = %e, retry_in = ?delay, "cannot reach the database (database.url) at start; retrying");
                 tokio::time::sleep(delay).await;
                 delay *= 2;
@@ -26,7 +35,6 @@ async fn start(config: &Config) -> Result<Relay, crate::relay::RelayError> {
             other => return other,
         }
     }
-    Relay::start(config.clone()).await
 }
 
 /// The failure-callback listener's guards: QStash signs the URL it calls, so
@@ -61,33 +69,31 @@ fn callback_options(config: &Config) -> CallbackOptions {
 }
 
 /// Serves QStash's failure and delivery callbacks on `server.callback_bind`,
-/// when it is set, until `stop` changes.
+/// when it is set, until `stop` changes. Counts the rows they dead-letter.
 async fn serve_callbacks(
     config: &Config,
-    relay: &Relay,
     mut stop: tokio::sync::watch::Receiver<bool>,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Arc<AtomicU64>> {
     let Some(addr) = config.server.callback_bind else {
-        return Ok(());
+        return Ok(Arc::default());
     };
+    let options = callback_options(config);
+    let dead_lettered = Arc::clone(&options.dead_lettered);
     let verifier = Verifier::new(
         config.qstash.current_signing_key.expose(),
         Some(config.qstash.next_signing_key.expose()).filter(|k| !k.is_empty()),
     )
     .with_tolerance(config.server.signature_tolerance);
-    let (local, _task) = callback::serve(
-        addr,
-        relay.store().clone(),
-        verifier,
-        callback_options(config),
-        async move {
-            let _ = stop.changed().await;
-        },
-    )
+    // A pool of its own: the actors, the sampler or a janitor's long pass
+    // never keep a callback waiting for a connection.
+    let store = Store::open_with(&config.database.url, &config.database.callback_pool())?;
+    let (local, _task) = callback::serve(addr, store, verifier, options, async move {
+        let _ = stop.changed().await;
+    })
     .await
     .map_err(|e| anyhow::anyhow!("server.callback_bind {addr}: {e}"))?;
     tracing::info!(%local, "serving POST /qstash/failure and /qstash/callback");
-    Ok(())
+    Ok(dead_lettered)
 }
 
 /// The one-shot `drain`: runs the relay until nothing is due (or
@@ -98,19 +104,49 @@ pub async fn drain(config: Config, max_duration: Option<Duration>) -> anyhow::Re
     let started = Instant::now();
     let relay = start(&config).await?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    if let Err(e) = serve_callbacks(&config, &relay, stop_rx).await {
-        relay.shutdown().await;
-        return Err(e);
-    }
-    let report = relay.drain_started(max_duration, started).await;
+    let dead_by_callbacks = match serve_callbacks(&config, stop_rx).await {
+        Ok(count) => count,
+        Err(e) => {
+            relay.shutdown().await;
+            return Err(e);
+        }
+    };
+    let report = relay
+        .drain_started(max_duration, started, &dead_by_callbacks)
+        .await;
     let _ = stop_tx.send(true);
     Ok(report?)
+}
+
+/// Registers every metric at 0 with the label sets this config can produce
+/// (`metrics::export_at_zero`).
+fn export_metrics_at_zero(config: &Config) {
+    use crate::sink::{DeadReason, RetryReason};
+    let routes: Vec<String> = crate::routes::Router::new(&config.routes)
+        .routes()
+        .iter()
+        .map(|r| r.name.clone())
+        .collect();
+    crate::metrics::export_at_zero(&crate::metrics::KnownLabels {
+        routes: &routes,
+        retry_reasons: &RetryReason::ALL.map(|r| r.as_str()),
+        dead_reasons: &DeadReason::ALL.map(|r| r.as_str()),
+        pause_causes: &crate::sink::breaker::PAUSE_CAUSES,
+        defer_causes: &crate::actors::marker::DeferCause::ALL.map(|c| c.as_str()),
+        callback_outcomes: &callback::CALLBACK_OUTCOMES,
+        handover_kinds: &crate::actors::coordinator::HANDOVER_KINDS,
+        actors: &crate::actors::supervisor::Child::LABELS,
+        sinks: &crate::sink::http::SINK_LABELS,
+    });
 }
 
 /// Runs until SIGTERM or SIGINT (exit 0), or until the actor tree gives up.
 pub async fn run_until_signal(config: Config) -> anyhow::Result<()> {
     let metrics = match crate::metrics::install() {
-        Ok(handle) => Some(handle),
+        Ok(handle) => {
+            export_metrics_at_zero(&config);
+            Some(handle)
+        }
         Err(e) => {
             tracing::warn!(error = %e, "metrics recorder not installed");
             None
@@ -120,8 +156,10 @@ pub async fn run_until_signal(config: Config) -> anyhow::Result<()> {
     let mut relay = start(&config).await?;
     let readiness = Arc::new(Mutex::new(Readiness::default()));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    // The sampler and the janitor have a connection each, apart from the actors'.
+    let db = &config.database;
     let sampler = tokio::spawn(ops::sample_forever(
-        relay.store().clone(),
+        Store::open_with(&db.url, &db.sampler_pool())?,
         relay.counters_handle(),
         Arc::clone(&readiness),
         config.server.stats_interval,
@@ -140,10 +178,11 @@ pub async fn run_until_signal(config: Config) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("server.metrics_bind {addr}: {e}"))?;
         tracing::info!(%local, "serving /metrics, /healthz, /readyz");
     }
-    serve_callbacks(&config, &relay, stop_rx.clone()).await?;
+    serve_callbacks(&config, stop_rx.clone()).await?;
     let janitor = tokio::spawn({
         let mut rx = stop_rx.clone();
-        crate::janitor::run_janitor(relay.store().clone(), config.janitor.clone(), async move {
+        let store = Store::open_with(&db.url, &db.janitor_pool())?;
+        crate::janitor::run_janitor(store, config.janitor.clone(), async move {
             let _ = rx.changed().await;
         })
     });

@@ -9,6 +9,8 @@
 //!                      ├─ Claimer × owned shards  (read due rows of its shard, under the shard lease)
 //!                      ├─ Publisher × N     (sink::* over one hyper client)
 //!                      └─ Marker            (multi-row UPDATEs, fenced by lease and shard token)
+//!
+//!  publisher ── telemetry (a span per delivery, child of the producer's traceparent; OTLP, off by default)
 //! ```
 //!
 //! Applications link the `outbox-client` crate (`crates/client`), not this one:
@@ -32,6 +34,7 @@ pub mod routes;
 pub mod server;
 pub mod sink;
 pub mod store;
+pub mod telemetry;
 #[cfg(test)]
 mod testing;
 

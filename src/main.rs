@@ -55,10 +55,14 @@ enum Command {
         /// The schema holding the outbox, for --print-grants.
         #[arg(long, default_value = "public")]
         schema: String,
+        /// Apply a migration that needs newer relays although older relays are
+        /// live (they stop delivering until replaced); refused otherwise.
+        #[arg(long)]
+        allow_live_older: bool,
     },
     /// Run the relay as a daemon until SIGTERM or SIGINT.
     Run,
-    /// Run the relay until the backlog is empty (or --max-duration passes), print what it did, and exit 0. For cron-style deployments.
+    /// Run the relay until the backlog is empty (or --max-duration passes) and print what it did. For cron-style deployments. Exits 0 when nothing due is left, 1 when the relay gave up (or on an error), 3 when --max-duration left events pending, 4 when events were dead-lettered, 5 when a route was still paused at the end (the first that applies, in the order 1, 5, 4, 3).
     Drain {
         /// Stop after this long even if rows are still pending (e.g. 5m).
         #[arg(long, value_parser = humantime::parse_duration)]
@@ -73,7 +77,11 @@ enum Command {
         shards: u32,
     },
     /// Check a config file and the environment, print the effective config (secrets hidden), and exit.
-    CheckConfig,
+    CheckConfig {
+        /// Also connect: the database answers, its schema and shard count are what `run` accepts, and the role has the relay's privileges.
+        #[arg(long)]
+        connect: bool,
+    },
     /// Dead-lettered events: list, show, replay, purge.
     Dlq {
         #[command(subcommand)]
@@ -94,11 +102,19 @@ fn init_tracing(format: LogFormat) {
         EnvFilter::try_from_env("OUTBOX_RELAY_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(colour_on_stderr());
     match format {
         LogFormat::Human => builder.init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),
     }
+}
+
+/// Colour only for a person at a terminal: not in a file or a pipe (a log
+/// collector), and not when `NO_COLOR` is set (<https://no-color.org>).
+fn colour_on_stderr() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }
 
 fn main() -> ExitCode {
@@ -135,10 +151,21 @@ async fn dispatch(command: Command, config: Option<PathBuf>) -> anyhow::Result<E
             print!("{}", store::migrate::grants(&app, &relay, &schema));
             Ok(ExitCode::SUCCESS)
         }
-        Command::Migrate { .. } => {
+        Command::Migrate {
+            allow_live_older, ..
+        } => {
             let config = Config::load(config.as_deref())?;
+            store::pooler::refuse_transaction_pooler(
+                &config.database.url,
+                config.database.connect_timeout,
+            )
+            .await?;
             let mut client = store::connect(&config.database.url).await?;
-            let report = store::migrate::run(&mut client).await?;
+            let options = store::migrate::Options {
+                allow_live_older,
+                ..Default::default()
+            };
+            let report = store::migrate::run_with(&mut client, options).await?;
             if report.applied.is_empty() {
                 println!("schema is up to date ({} migrations)", report.already);
             } else {
@@ -171,6 +198,8 @@ async fn dispatch(command: Command, config: Option<PathBuf>) -> anyhow::Result<E
                 if report.remaining > 0 {
                     let why = if report.gave_up {
                         "the relay gave up"
+                    } else if !report.paused_routes.is_empty() {
+                        "a route is paused"
                     } else if report.timed_out {
                         "stopped at --max-duration"
                     } else {
@@ -189,11 +218,10 @@ async fn dispatch(command: Command, config: Option<PathBuf>) -> anyhow::Result<E
                 }
                 println!("{line}");
             }
-            if report.gave_up {
-                eprintln!("drain failed: the relay's actors kept crashing and it gave up (relay.max_restarts); see the log");
-                return Ok(ExitCode::FAILURE);
+            if report.exit_code != 0 {
+                eprintln!("drain: exit {}: {}", report.exit_code, report.reason);
             }
-            Ok(ExitCode::SUCCESS)
+            Ok(ExitCode::from(report.exit_code))
         }
         Command::Reshard { shards } => {
             let config = Config::load(config.as_deref())?;
@@ -202,9 +230,15 @@ async fn dispatch(command: Command, config: Option<PathBuf>) -> anyhow::Result<E
             println!("resharded from {before} to {shards} shards; running relays take the new shards on their next round (no outbox row was rewritten)");
             Ok(ExitCode::SUCCESS)
         }
-        Command::CheckConfig => {
+        Command::CheckConfig { connect } => {
             let config = Config::load(config.as_deref())?;
             config.validate_for_relay()?;
+            for warning in config.warnings() {
+                eprintln!("warning: {warning}");
+            }
+            if connect {
+                eprintln!("{}", outbox_relay::cli::check::connect(&config).await?);
+            }
             println!("{}", serde_json::to_string_pretty(&config.redacted())?);
             Ok(ExitCode::SUCCESS)
         }

@@ -3,31 +3,38 @@
 //! daemon) or until the backlog is empty (`drain`).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorRef, ActorStatus};
 use tokio::task::JoinHandle;
 
+use crate::actors::claim_plan::{ClaimRoutes, TenantWeights};
 use crate::actors::claimer::{ClaimSettings, ClaimerContext, Claimers};
 use crate::actors::coordinator::CoordinatorArgs;
+use crate::actors::identity;
 use crate::actors::inflight::InFlight;
 use crate::actors::listener::ListenerArgs;
 use crate::actors::marker::{MarkerArgs, MarkerPort};
 use crate::actors::ownership::Ownership;
-use crate::actors::publisher::{PublisherArgs, Publishers, RetryPolicy};
+use crate::actors::publisher::{PublisherArgs, Publishers};
 use crate::actors::supervisor::{
     RestartBudget, ShutdownReport, Supervisor, SupervisorArgs, SupervisorMsg,
 };
 use crate::actors::winddown::Winddown;
 use crate::actors::{Counters, CountersSnapshot, Wake};
-use crate::backoff::Backoff;
 use crate::config::Config;
-use crate::routes::Router;
+use crate::routes::{RetryPolicy, Router};
 use crate::sink::breaker::Breakers;
 use crate::sink::{qstash::QstashSink, HttpClient, Sinks};
 use crate::store::shards::Replica;
 use crate::store::{ShardId, Store, StoreError};
+use crate::telemetry::Telemetry;
+
+mod drain;
+
+pub use drain::{DrainReport, DrainStatus, PausedRoute};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
@@ -37,6 +44,8 @@ pub enum RelayError {
     Store(#[from] StoreError),
     #[error("the database schema is not ready: {0} (run `outbox-relay migrate`)")]
     Schema(String),
+    #[error("this relay is too old for the database schema: {0}")]
+    TooOld(String),
     #[error("could not start the actor tree: {0}")]
     Spawn(#[from] ractor::SpawnErr),
 }
@@ -60,30 +69,15 @@ pub struct Relay {
     ownership: Arc<Ownership>,
     replica: Replica,
     shutdown_grace: Duration,
+    /// The delivery spans' exporter, flushed at shutdown.
+    telemetry: Telemetry,
     /// How often `drain` looks whether it is done.
     drain_poll: Duration,
-    /// A retry due within this counts as due for `drain` (`relay.backoff_cap`).
+    /// A retry due within this counts as due for `drain` (`relay.backoff_cap`,
+    /// or the breaker's longest pause if longer: a deferred row waits that long).
     drain_horizon: Duration,
-}
-
-/// What `drain` did.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct DrainReport {
-    pub counters: CountersSnapshot,
-    pub elapsed_secs: f64,
-    /// Rows still pending when it stopped: those scheduled for later (by
-    /// their producer, or a retry further off than `relay.backoff_cap`),
-    /// plus any left by a timeout or a relay that gave up.
-    pub remaining: i64,
-    /// The earliest time a remaining row becomes due.
-    pub next_due: Option<chrono::DateTime<chrono::Utc>>,
-    /// Of the remaining rows, those QStash took whose delivery callback had
-    /// not come (an ordered QStash route); a later run or the daemon settles
-    /// them when it comes, or sends them again when the hold runs out.
-    pub held: i64,
-    pub timed_out: bool,
-    /// The actor tree gave up (restart budget exhausted): `drain` fails.
-    pub gave_up: bool,
+    /// The routes' circuit breakers: `drain` reports the routes still paused.
+    breakers: Arc<Breakers>,
 }
 
 /// How long after publishers stop starting requests every request has ended
@@ -94,7 +88,18 @@ pub(crate) fn requests_end_within(config: &Config) -> Duration {
 
 impl Relay {
     pub async fn start(config: Config) -> Result<Relay, RelayError> {
-        Self::start_tree(config, |_| {}).await
+        let telemetry =
+            Telemetry::start(&config.telemetry).map_err(|e| RelayError::Config(e.to_string()))?;
+        Self::start_tree(config, move |p| p.telemetry = telemetry).await
+    }
+
+    /// Starts the relay with its delivery spans made by `telemetry` (an
+    /// application's own tracer provider) instead of `[telemetry]`'s.
+    pub async fn start_with_telemetry(
+        config: Config,
+        telemetry: Telemetry,
+    ) -> Result<Relay, RelayError> {
+        Self::start_tree(config, move |p| p.telemetry = telemetry).await
     }
 
     /// Starts the relay with fault injection (tests of the recovery path).
@@ -113,14 +118,32 @@ impl Relay {
         config
             .validate_for_relay()
             .map_err(|e| RelayError::Config(e.to_string()))?;
-        let store = Store::open(
+        crate::store::pooler::refuse_transaction_pooler(
             &config.database.url,
-            config.database.pool_size,
             config.database.connect_timeout,
-        )?;
+        )
+        .await?;
+        for warning in config.warnings() {
+            tracing::warn!("{warning}");
+        }
+        let db = &config.database;
+        let store = Store::open_with(&db.url, &db.pool_options(db.pool_size, None))?;
+        store.connect_now().await?;
         check_schema(&store, &config).await?;
         let router = Arc::new(Router::new(&config.routes));
         let r = &config.relay;
+        let retry = config
+            .retry_policies()
+            .map_err(|e| RelayError::Config(e.to_string()))?;
+        let tenants = r
+            .tenant_weights()
+            .map_err(|e| RelayError::Config(e.to_string()))?;
+        // Each role's sessions on the actors' pool, with its statement timeout.
+        let timeouts = &db.statement_timeout;
+        let limited = |t: Option<Duration>| match t {
+            Some(t) => store.with_session_limit(t),
+            None => store.clone(),
+        };
         let breakers = Arc::new(Breakers::new(
             router.routes().iter().map(|r| r.name.clone()),
             config.http.request_timeout,
@@ -131,24 +154,31 @@ impl Relay {
             qstash: QstashSink::new(&config.qstash, &config.http),
             max_message_bytes: config.http.max_message_bytes,
             breakers: Arc::clone(&breakers),
+            limits: crate::sink::limits::Limits::new(router.routes(), &config.http.hosts),
         });
         let counters = Arc::new(Counters::default());
         let in_flight = InFlight::new(r.max_in_flight as usize);
         let ownership = Arc::new(Ownership::default());
         let replica = Replica::this_process(&r.replica_id);
+        // One live process per name: refused while another one's heartbeat
+        // under it moves on.
+        if let Err(holder) = identity::claim_name(&store, &replica, r.shard_lease).await? {
+            return Err(RelayError::Config(identity::name_taken(&replica, &holder)));
+        }
         let marker_port = MarkerPort::default();
         let publishers = Publishers::new(r.publishers as usize);
         let claimers = Claimers::new(ClaimerContext {
-            store: store.clone(),
+            store: limited(timeouts.claims()),
             settings: ClaimSettings {
                 batch: r.claim_batch as usize,
                 lease: r.lease,
                 poll_interval: r.poll_interval,
-                ordered: router.ordered_like_patterns().into(),
+                routes: Arc::new(ClaimRoutes::new(&router)),
                 job_rows: config.qstash.batch_size.get(),
+                tenants: tenants.map(|w| Arc::new(TenantWeights::new(w))),
             },
             in_flight: Arc::clone(&in_flight),
-            breakers,
+            breakers: Arc::clone(&breakers),
             router: Arc::clone(&router),
             publishers: publishers.clone(),
             marker: marker_port.clone(),
@@ -168,23 +198,20 @@ impl Relay {
         let mut publisher = PublisherArgs {
             sinks,
             router: Arc::clone(&router),
-            retry: RetryPolicy {
-                backoff: Backoff {
-                    base: r.backoff_base,
-                    cap: r.backoff_cap,
-                },
-                max_attempts: r.max_attempts,
-            },
+            retry: retry.clone(),
             ownership: Arc::clone(&ownership),
             request_timeout: config.http.request_timeout,
             marker: marker_port.clone(),
+            telemetry: Telemetry::default(),
             #[cfg(test)]
             hooks: Default::default(),
         };
         adjust(&mut publisher);
+        let telemetry = publisher.telemetry.clone();
         let args = SupervisorArgs {
             marker: MarkerArgs {
-                store: store.clone(),
+                store: limited(timeouts.marks()),
+                connections: r.mark_connections as usize,
                 batch: r.mark_batch as usize,
                 interval: r.mark_interval,
                 route_names: router.routes().iter().map(|r| r.name.clone()).collect(),
@@ -201,15 +228,19 @@ impl Relay {
             listener: ListenerArgs {
                 url: config.database.url.clone(),
                 connect_timeout: config.database.connect_timeout,
+                idle_probe_max: r.idle_probe_max,
+                liveness: config.database.liveness(),
+                // The probe is cheaper than any claim.
+                probe_timeout: timeouts.claims().unwrap_or(Duration::from_secs(5)),
                 wake,
             },
             coordinator: CoordinatorArgs {
-                store: store.clone(),
+                store: limited(timeouts.coordinator()),
                 me: replica.clone(),
                 shard_lease: r.shard_lease,
-                // The marker, the coordinator and the gauges keep one each.
+                // The marker's, the coordinator's and the drain's progress's.
                 max_shards: (config.database.pool_size as usize)
-                    .saturating_sub(3)
+                    .saturating_sub(r.others_in_pool() as usize)
                     .max(1),
                 ownership: Arc::clone(&ownership),
                 claimers: claimers.clone(),
@@ -234,8 +265,14 @@ impl Relay {
             ownership,
             replica,
             shutdown_grace: r.shutdown_grace,
+            telemetry,
             drain_poll: r.poll_interval.min(Duration::from_millis(200)),
-            drain_horizon: r.backoff_cap,
+            drain_horizon: retry
+                .iter()
+                .map(RetryPolicy::longest)
+                .fold(r.backoff_cap, Duration::max)
+                .max(crate::sink::breaker::longest_pause(r.lease)),
+            breakers,
         })
     }
 
@@ -310,6 +347,7 @@ impl Relay {
             },
         };
         let _ = self.join.await;
+        self.telemetry.shutdown(Duration::from_secs(5)).await;
         report
     }
 
@@ -323,33 +361,49 @@ impl Relay {
         self,
         max_duration: Option<Duration>,
         started: Instant,
+        dead_by_callbacks: &AtomicU64,
     ) -> Result<DrainReport, RelayError> {
         let mut timed_out = false;
         let mut gave_up = false;
-        let state = loop {
+        loop {
             tokio::time::sleep(self.drain_poll).await;
-            let state = match self.store.drain_state(self.drain_horizon).await {
-                Ok(state) => state,
+            // Stops at the first row left to do; what is left is counted
+            // once, below.
+            let busy = match self.store.drain_busy(self.drain_horizon).await {
+                Ok(busy) => busy,
                 Err(e) => {
                     // Not left running behind the error.
                     self.shutdown().await;
                     return Err(e.into());
                 }
             };
-            if state.due == 0 && state.held == 0 && self.in_flight() == 0 {
-                break state;
+            if !busy && self.in_flight() == 0 {
+                break;
             }
             if max_duration.is_some_and(|d| started.elapsed() >= d) {
                 timed_out = true;
-                break state;
+                break;
             }
             if !self.is_running() {
                 gave_up = true;
-                break state;
+                break;
+            }
+        }
+        let state = match self.store.drain_state(self.drain_horizon).await {
+            Ok(state) => state,
+            Err(e) => {
+                self.shutdown().await;
+                return Err(e.into());
             }
         };
+        let paused_routes = self
+            .breakers
+            .paused()
+            .into_iter()
+            .map(|(route, error)| drain::PausedRoute { route, error })
+            .collect();
         let report = self.shutdown().await;
-        Ok(DrainReport {
+        Ok(drain::DrainEnd {
             counters: report.counters,
             elapsed_secs: started.elapsed().as_secs_f64(),
             remaining: state.pending,
@@ -357,11 +411,16 @@ impl Relay {
             held: state.held,
             timed_out,
             gave_up,
-        })
+            paused_routes,
+            dead_lettered_by_callbacks: dead_by_callbacks.load(Ordering::Relaxed),
+        }
+        .report())
     }
 }
 
-async fn check_schema(store: &Store, config: &Config) -> Result<(), RelayError> {
+/// What `run` refuses to start on: a schema older than this binary's, a
+/// shard count other than `relay.shards`, a pool too small for the shards.
+pub(crate) async fn check_schema(store: &Store, config: &Config) -> Result<(), RelayError> {
     let latest = Store::latest_schema();
     match store.schema_version().await? {
         None => Err(RelayError::Schema(
@@ -370,7 +429,17 @@ async fn check_schema(store: &Store, config: &Config) -> Result<(), RelayError> 
         Some(v) if v < latest => Err(RelayError::Schema(format!(
             "schema is at migration {v}, this relay needs {latest}"
         ))),
-        Some(_) => {
+        Some(v) => {
+            if let Some(needs) = store.needs_newer_relays().await? {
+                return Err(RelayError::TooOld(needs.to_string()));
+            }
+            if v > latest {
+                tracing::warn!(
+                    schema = v,
+                    built_for = latest,
+                    "the schema is newer than this relay; the migrations after {latest} keep older relays working"
+                );
+            }
             let in_db = store.shard_count().await?;
             match config.relay.shards {
                 Some(shards) if shards != in_db => {
@@ -381,10 +450,12 @@ async fn check_schema(store: &Store, config: &Config) -> Result<(), RelayError> 
                 _ => {}
             }
             let pool = config.database.pool_size;
-            if pool < in_db + 3 {
+            let needed = in_db + config.relay.others_in_pool();
+            if pool < needed {
                 return Err(RelayError::Config(format!(
-                    "configuration key `database.pool_size`: is {pool}, but the outbox has {in_db} shards; a replica holding all of them needs {} connections (a claimer each, the marker, the coordinator and the gauges)",
-                    in_db + 3
+                    "configuration key `database.pool_size`: is {pool}, but the outbox has {in_db} shards; a replica holding all of them needs {}: {}",
+                    needed,
+                    crate::config::ACTORS_POOL
                 )));
             }
             Ok(())
@@ -518,10 +589,15 @@ mod tests {
         };
         let relay = Relay::start_with_hooks(config, hooks).await.unwrap();
         let report = relay
-            .drain_started(Some(Duration::from_secs(60)), std::time::Instant::now())
+            .drain_started(
+                Some(Duration::from_secs(60)),
+                std::time::Instant::now(),
+                &Default::default(),
+            )
             .await
             .unwrap();
         assert!(report.gave_up, "{report:?}");
+        assert_eq!(report.exit_code, 1, "{report:?}");
         assert!(!report.timed_out);
         assert_eq!(report.remaining, 50);
         assert_eq!(pending(&db).await, 50);

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use common::{config, count, insert_events, pending, wait_until, QSTASH_ROUTE};
+use common::{config, count, dead_count, insert_events, pending, wait_until, QSTASH_ROUTE};
 use outbox_relay::config::{BatchSize, Config, PublishMode};
 use outbox_relay::Relay;
 use outbox_testkit::sink::{RawAnswer, Received, Reply, SinkHandle};
@@ -18,17 +18,10 @@ use outbox_testkit::TestDb;
 
 const LIMIT: Duration = Duration::from_secs(60);
 
-/// Runs the relay on `cfg` until nothing is pending, stops it, and fails the
-/// test when delivery stopped before that ([`LIMIT`]).
+/// Runs the relay on `cfg` until nothing is pending (see
+/// [`common::run_until_drained`]).
 async fn run_until_drained(db: &TestDb, cfg: Config) {
-    let relay = Relay::start(cfg).await.unwrap();
-    let drained = wait_until(LIMIT, || async { pending(db).await == 0 }).await;
-    relay.shutdown().await;
-    assert!(
-        drained,
-        "delivery stopped: {} rows still pending",
-        pending(db).await
-    );
+    common::run_until_drained(db, cfg, LIMIT).await;
 }
 
 /// A 200 whose body is `elements` as a JSON array (a `/v2/batch` answer).
@@ -83,14 +76,6 @@ async fn assert_attempts_are_requests(db: &TestDb, sink: &SinkHandle) {
             "{key}: attempt_count {attempts} but the sink saw {sent} requests for it"
         );
     }
-}
-
-async fn dead_count(db: &TestDb) -> i64 {
-    count(
-        db,
-        "SELECT count(*) FROM outbox WHERE dead_lettered_at IS NOT NULL",
-    )
-    .await
 }
 
 /// Bodies a broken or hostile destination sends with an error status.
@@ -598,4 +583,6 @@ async fn drain_ends_when_only_rows_scheduled_for_later_remain() {
     assert_eq!(report.remaining, 1);
     assert!(report.next_due.is_some());
     assert!(!report.gave_up);
+    // Rows scheduled for later are not a failure: exit 0.
+    assert_eq!(report.exit_code, 0, "{report:?}");
 }

@@ -15,6 +15,8 @@ const LAYERS: &[&[&str]] = &[
     &["routes"],
     // Delivery and the database; each sink owns its section.
     &["sink", "store"],
+    // Delivery spans over OTLP; its section.
+    &["telemetry"],
     // Puts the sections together.
     &["config"],
     &["actors"],

@@ -1483,6 +1483,8 @@ async fn failure_callback_bounds_size_and_time_before_verifying_the_body() {
 async fn failure_callback_limits_the_reports_in_flight() {
     let mut options = CallbackOptions::new([CALLBACK_URL]);
     options.max_concurrent = 2;
+    // A report waits this long for a slot before it is refused.
+    options.slot_wait = Duration::from_millis(100);
     let (_db, pool, server) = callback_server_with(options).await;
     let mut held = Vec::new();
     for key in ["k-cb-c1", "k-cb-c2"] {
@@ -1535,6 +1537,63 @@ async fn failure_callback_limits_the_reports_in_flight() {
     let reply = report_to(&server, CURRENT, &report).await;
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert!(row_state(&pool, third).await.0);
+}
+
+/// A burst of reports larger than the slots queues for a slot instead of
+/// being turned away: a report that comes while every slot is taken is
+/// answered 200 once one frees (within `slot_wait`), not 503.
+#[tokio::test]
+async fn a_report_that_finds_every_slot_taken_waits_for_one() {
+    let mut options = CallbackOptions::new([CALLBACK_URL]);
+    options.max_concurrent = 1;
+    let (_db, pool, server) = callback_server_with(options).await;
+    let slow_id = published_row(&pool, "k-cb-w1").await;
+    let slow = report_on(slow_id, "k-cb-w1", 503);
+    let signed = sign_for(CURRENT, CALLBACK_URL, &slow);
+    let mut stream = start_report(server.addr, Some(&signed), Some(slow.len()), &slow[..20]).await;
+    // Wait until the slow report holds the one slot: an unsigned request
+    // then waits for it too, rather than being refused at once for its
+    // signature (401).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let probe = tokio::time::timeout(
+            Duration::from_millis(300),
+            post(server.addr, "/qstash/failure", &[], b"{}"),
+        )
+        .await;
+        match probe {
+            Err(_) => break,
+            Ok(p) => assert_eq!(p.status, 401, "{}", p.body),
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the slot never filled"
+        );
+    }
+    let waiting_id = published_row(&pool, "k-cb-w2").await;
+    let waiting = report_on(waiting_id, "k-cb-w2", 503);
+    let addr = server.addr;
+    let reply = tokio::spawn(async move {
+        let signed = sign_for(CURRENT, CALLBACK_URL, &waiting);
+        post(
+            addr,
+            "/qstash/failure",
+            &[("upstash-signature", signed)],
+            &waiting,
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !reply.is_finished(),
+        "the report was answered while every slot was taken"
+    );
+    use tokio::io::AsyncWriteExt;
+    stream.write_all(&slow[20..]).await.unwrap();
+    assert_eq!(response_status(&mut stream).await, 200);
+    let reply = reply.await.unwrap();
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert!(row_state(&pool, waiting_id).await.0);
 }
 
 #[tokio::test]

@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use outbox_client::{enqueue, Enqueued, NewEvent};
 use outbox_relay::cli::dlq::{self, DlqCommand, Selector};
+use outbox_relay::routes::Router;
 use outbox_relay::store::{Store, StoreError};
 use outbox_testkit::TestDb;
 use serde_json::{json, Value};
@@ -36,6 +37,16 @@ struct Rows {
 }
 
 async fn insert(client: &mut Client, key: &str, event_type: &str) -> i64 {
+    insert_keyed(client, key, &format!("order:{key}"), event_type).await
+}
+
+/// An event with idempotency key `key` in partition `partition_key`.
+async fn insert_keyed(
+    client: &mut Client,
+    key: &str,
+    partition_key: &str,
+    event_type: &str,
+) -> i64 {
     let tx = client.transaction().await.unwrap();
     let event = NewEvent::new(
         Uuid::new_v4(),
@@ -45,7 +56,7 @@ async fn insert(client: &mut Client, key: &str, event_type: &str) -> i64 {
         json!({"orderId": key, "lines": [{"sku": "A", "qty": 2}]}),
         key,
     )
-    .with_partition_key(format!("order:{key}"));
+    .with_partition_key(partition_key.to_owned());
     let Enqueued::New { id } = enqueue(&tx, &event).await.unwrap() else {
         panic!("duplicate key {key}");
     };
@@ -100,8 +111,13 @@ fn store(db: &TestDb) -> Store {
 }
 
 async fn run(store: &Store, args: &[&str]) -> (ExitCode, String) {
+    run_for(store, &Router::default(), args).await
+}
+
+/// The same for the routes of `router`.
+async fn run_for(store: &Store, router: &Router, args: &[&str]) -> (ExitCode, String) {
     let mut out = Vec::new();
-    let code = dlq::execute(parse(args).unwrap(), store, &mut out)
+    let code = dlq::execute(parse(args).unwrap(), store, router, &mut out)
         .await
         .unwrap();
     (code, String::from_utf8(out).unwrap())
@@ -404,4 +420,87 @@ async fn purge_refuses_without_yes_and_deletes_only_dead_rows_with_it() {
         String::from_utf8_lossy(&listed.stdout),
         "no dead-lettered rows\n"
     );
+}
+
+/// On an ordered route, a replayed dead row goes out before its key's newer
+/// pending events; a replay that would deliver it after a newer event of its
+/// key that was delivered already is refused, naming the key, unless
+/// `--allow-reorder` is given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_keeps_each_key_in_order_or_refuses() {
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
+    let mut client = db.client().await.unwrap();
+    // Key a: a-1 dead, a-2 published. Key b: b-1 dead, b-2 pending.
+    let a1 = insert_keyed(&mut client, "a-1", "order:a", "order.placed").await;
+    let a2 = insert_keyed(&mut client, "a-2", "order:a", "order.placed").await;
+    let b1 = insert_keyed(&mut client, "b-1", "order:b", "order.placed").await;
+    insert_keyed(&mut client, "b-2", "order:b", "order.placed").await;
+    kill(&client, a1, "1 minute", "HTTP 404").await;
+    kill(&client, b1, "1 minute", "HTTP 404").await;
+    client
+        .execute(
+            "UPDATE outbox SET published_at = now() WHERE id = $1",
+            &[&a2],
+        )
+        .await
+        .unwrap();
+    let routes = common::webhook_route(&sink.url(), r#"ordering = "partition_key""#);
+    let cfg = common::config(&db, &sink.url(), &routes);
+    let router = Router::new(&cfg.routes);
+    let store = store(&db);
+
+    let (code, text) = run_for(&store, &router, &["replay", "--all"]).await;
+    assert_eq!(code, ExitCode::from(2), "{text}");
+    assert!(
+        text.starts_with("refusing to replay: 1 dead rows") && text.contains("order:a (1)"),
+        "{text}"
+    );
+    assert!(!text.contains("order:b"), "{text}");
+    assert_eq!(state(&client, a1).await["dead"], json!(true));
+    assert_eq!(
+        state(&client, b1).await["dead"],
+        json!(true),
+        "nothing replayed"
+    );
+    // An unordered route keeps no order: the same replay goes through.
+    let (code, _) = run_for(
+        &store,
+        &Router::default(),
+        &["replay", "--id", &a1.to_string()],
+    )
+    .await;
+    assert_eq!(code, ExitCode::SUCCESS);
+    kill(&client, a1, "1 minute", "HTTP 404").await;
+
+    // Key b alone: its dead row goes out before its pending one.
+    let (code, text) = run_for(&store, &router, &["replay", "--id", &b1.to_string()]).await;
+    assert_eq!(
+        (code, text.as_str()),
+        (ExitCode::SUCCESS, "replayed 1 dead-lettered rows\n")
+    );
+    common::run_until_drained(&db, cfg, std::time::Duration::from_secs(60)).await;
+    let b: Vec<String> = sink
+        .accepted()
+        .into_iter()
+        .filter(|r| r.partition_key() == "order:b" || r.dedup_id.starts_with("b-"))
+        .map(|r| r.dedup_id)
+        .collect();
+    assert_eq!(b, ["b-1:replay:1", "b-2"]);
+
+    // Told to, it replays key a's row after all.
+    let (code, text) = run_for(
+        &store,
+        &router,
+        &[
+            "replay",
+            "--id",
+            &a1.to_string(),
+            "--allow-reorder",
+            "--json",
+        ],
+    )
+    .await;
+    assert_eq!(code, ExitCode::SUCCESS, "{text}");
+    assert_eq!(state(&client, a1).await["key"], json!("a-1:replay:2"));
 }

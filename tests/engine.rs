@@ -149,7 +149,8 @@ async fn retries_after_503_honouring_retry_after() {
     let sink = common::start_sink().await;
     // Two failures per message, the second asking for 1 s. Fewer events than
     // the circuit breaker wants to call it an outage (tests/adversarial.rs
-    // has the outages), so each failure is an attempt of its own.
+    // and tests/deployments.rs have the outages), so each failure is an
+    // attempt of its own.
     sink.set_rule(|m| match m.attempt {
         0 => Reply::Status(503, None),
         1 => Reply::Status(503, Some("1".into())),
@@ -281,22 +282,58 @@ async fn a_400_dead_letters_at_once_and_alone() {
     assert!(!accepted.contains("evt-3"));
 }
 
+/// Inserts one more event every 50 ms (numbered from 1000) until dropped:
+/// a route that goes on accepting others, which a final verdict needs.
+async fn keep_the_route_busy(db: &TestDb) -> tokio::task::JoinHandle<()> {
+    let mut client = db.client().await.unwrap();
+    tokio::spawn(async move {
+        for i in 1000.. {
+            let tx = client.transaction().await.unwrap();
+            outbox_client::enqueue(&tx, &common::event(i, &format!("order:busy{i}")))
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exhausting_max_attempts_dead_letters() {
     let db = common::test_db().await;
     let sink = common::start_sink().await;
-    sink.set_rule(|_| Reply::Status(502, None));
+    // Three events always fail while the route accepts others, so their
+    // failures are theirs (tests/deployments.rs has a route failing them all).
+    let failing = |dedup_id: &str| ["evt-0", "evt-1", "evt-2"].contains(&dedup_id);
+    sink.set_rule(move |m| {
+        if failing(&m.dedup_id) {
+            Reply::Status(502, None)
+        } else {
+            Reply::Accept
+        }
+    });
     insert_events(&db, 3, 3).await;
-    let relay = Relay::start(config(&db, &sink.url(), QSTASH_ROUTE))
+    let busy = keep_the_route_busy(&db).await;
+    let mut cfg = config(&db, &sink.url(), QSTASH_ROUTE);
+    cfg.qstash.mode = outbox_relay::config::PublishMode::Single;
+    let relay = Relay::start(cfg).await.unwrap();
+    let dead = || async {
+        count(
+            &db,
+            "SELECT count(*) FROM outbox WHERE dead_lettered_at IS NOT NULL",
+        )
         .await
-        .unwrap();
-    assert!(wait_until(DRAIN_LIMIT, || async { pending(&db).await == 0 }).await);
+    };
+    assert!(wait_until(DRAIN_LIMIT, || async { dead().await == 3 }).await);
+    busy.abort();
     let report = relay.shutdown().await;
     assert_eq!(report.counters.dead_lettered, 3);
-    assert_eq!(report.counters.retried, 3 * 4);
     let c = db.client().await.unwrap();
     for r in c
-        .query("SELECT attempt_count, last_error FROM outbox", &[])
+        .query(
+            "SELECT attempt_count, last_error FROM outbox WHERE dead_lettered_at IS NOT NULL",
+            &[],
+        )
         .await
         .unwrap()
     {
@@ -304,7 +341,12 @@ async fn exhausting_max_attempts_dead_letters() {
         let e: String = r.get(1);
         assert!(e.starts_with("attempt 5 of 5 failed: HTTP 502"), "{e}");
     }
-    assert_eq!(sink.received().len(), 15);
+    // Each failing event was sent at least five times (more when its last
+    // attempt came before the route accepted another event after it).
+    for key in ["evt-0", "evt-1", "evt-2"] {
+        let sent = sink.received().iter().filter(|r| r.dedup_id == key).count();
+        assert!(sent >= 5, "{key} sent {sent} times");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -554,12 +596,36 @@ async fn replayed_dead_letters_are_published_again_with_new_dedup_ids() {
     use outbox_relay::store::Store;
     let db = common::test_db().await;
     let sink = common::start_sink().await;
-    // The destination rejects everything at first.
-    sink.set_rule(|_| Reply::Status(400, None));
+    // The destination rejects five events at first. It takes the others,
+    // which come once the five were refused: a witness that the refusals are
+    // the events' own.
+    let first_five: HashSet<String> = (0..5).map(|i| format!("evt-{i}")).collect();
+    sink.set_rule(move |m| {
+        if first_five.contains(&m.dedup_id) {
+            Reply::Status(400, None)
+        } else {
+            Reply::Accept
+        }
+    });
     insert_events(&db, 5, 5).await;
     let relay = Relay::start(config(&db, &sink.url(), QSTASH_ROUTE))
         .await
         .unwrap();
+    assert!(
+        wait_until(DRAIN_LIMIT, || async {
+            count(&db, "SELECT count(*) FROM outbox WHERE last_error IS NOT NULL OR dead_lettered_at IS NOT NULL").await == 5
+        })
+        .await
+    );
+    {
+        let mut client = db.client().await.unwrap();
+        let tx = client.transaction().await.unwrap();
+        let more: Vec<_> = (5..10)
+            .map(|i| common::event(i, &format!("order:k{i}")))
+            .collect();
+        outbox_client::enqueue_many(&tx, &more).await.unwrap();
+        tx.commit().await.unwrap();
+    }
     assert!(wait_until(DRAIN_LIMIT, || async { pending(&db).await == 0 }).await);
     assert_eq!(
         count(
@@ -587,12 +653,17 @@ async fn replayed_dead_letters_are_published_again_with_new_dedup_ids() {
                 "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL",
             )
             .await
-                == 5
+                == 10
         })
         .await
     );
     relay.shutdown().await;
-    let accepted: HashSet<String> = sink.accepted().into_iter().map(|r| r.dedup_id).collect();
+    let accepted: HashSet<String> = sink
+        .accepted()
+        .into_iter()
+        .map(|r| r.dedup_id)
+        .filter(|k| k.contains(":replay:"))
+        .collect();
     let expected: HashSet<String> = (0..5).map(|i| format!("evt-{i}:replay:1")).collect();
     assert_eq!(
         accepted, expected,
@@ -743,4 +814,61 @@ async fn a_relay_shut_down_leaves_no_connection_open() {
         .unwrap();
     assert_eq!(report.counters.published, 20);
     assert_no_relay_connection_stays(&db.client().await.unwrap()).await;
+}
+
+/// An idle relay's listener backs off to `relay.idle_probe_max`: the database
+/// sees a few transactions a second from it, not a hundred. A row inserted
+/// then still arrives without waiting for the claimers' poll (two minutes
+/// here): the backed-off listener sees it within its ceiling and wakes them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_listener_backs_off_and_still_wakes_the_claimers_for_a_new_row() {
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
+    let mut cfg = config(&db, &sink.url(), QSTASH_ROUTE);
+    cfg.relay.idle_probe_max = Duration::from_secs(2);
+    cfg.relay.poll_interval = Duration::from_secs(120);
+    // Coordinator rounds every 5 s.
+    cfg.relay.shard_lease = Duration::from_secs(20);
+    let relay = Relay::start(cfg).await.unwrap();
+    let admin = db.client().await.unwrap();
+    assert!(
+        wait_until(Duration::from_secs(30), || async {
+            relay.shards_owned().len() == 8
+        })
+        .await
+    );
+    // At the ceiling after 1 + 2 + 4 + … + 1024 ms.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let xacts = || async {
+        admin
+            .query_one(
+                "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+    };
+    let before = xacts().await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let idle = xacts().await - before;
+    // About 3 probes, 1 coordinator round and our own reads; probing every
+    // 10 ms (the fixed ceiling before) made about 450.
+    assert!(idle < 60, "{idle} transactions in 5 s of idling");
+
+    insert_events(&db, 1, 1).await;
+    let inserted = std::time::Instant::now();
+    assert!(
+        wait_until(Duration::from_secs(30), || async {
+            !sink.accepted().is_empty()
+        })
+        .await,
+        "the row was not delivered within 30 s (the poll is 120 s away)"
+    );
+    eprintln!(
+        "first row after the idle spell delivered in {:?}",
+        inserted.elapsed()
+    );
+    let report = relay.shutdown().await;
+    assert_eq!(report.counters.published, 1);
 }

@@ -373,3 +373,55 @@ fn the_binary_stops_at_start_naming_the_bad_key() {
         "{stdout}"
     );
 }
+
+/// An ordered QStash route holds each event QStash took for its callback for
+/// `callback_timeout`; when the hold runs out the event is sent again under
+/// the same deduplication id. QStash keeps an id for 10 minutes, so a hold
+/// longer than that re-sends every event whose callback was lost as a new
+/// message (delivered again). The default is under the window, and a route
+/// that sets more is warned about, naming the key: at `check-config`, and
+/// by the relay at start.
+#[test]
+fn callback_timeout_defaults_below_qstash_deduplication_window_and_warns_above() {
+    let window = std::time::Duration::from_secs(600);
+    let route = |timeout: &str| {
+        format!(
+            "[qstash]\ntoken = \"t\"\ncurrent_signing_key = \"k\"\n[server]\ncallback_bind = \"127.0.0.1:0\"\n\
+             [[routes]]\nevent_type = \"order.*\"\ndestination = \"https://x.example/{{event_type}}\"\n\
+             ordering = \"partition_key\"\ncallback = \"https://relay.example/qstash/callback\"\n{timeout}"
+        )
+    };
+    let default = Config::from_toml_str(&route("")).unwrap();
+    assert!(
+        default.routes[0].callback_timeout < window,
+        "default callback_timeout {:?} is not under QStash's deduplication window",
+        default.routes[0].callback_timeout
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let check = |toml: String| {
+        let path = dir.path().join("relay.toml");
+        std::fs::write(&path, toml).unwrap();
+        let out = Command::new(BIN)
+            .args(["check-config", "--config"])
+            .arg(&path)
+            .env_remove("OUTBOX_RELAY_LOG")
+            // check-config refuses an empty database.url (it is parsed as
+            // `run` would); nothing connects.
+            .env("DATABASE_URL", "postgres://relay@127.0.0.1:1/relay")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "a warning, not an error: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let quiet = check(route("callback_timeout = \"10m\"\n"));
+    assert!(!quiet.contains("callback_timeout"), "{quiet}");
+    let warned = check(route("callback_timeout = \"1h\"\n"));
+    assert!(
+        warned.contains("routes[0].callback_timeout") && warned.contains("10 minutes"),
+        "{warned}"
+    );
+}

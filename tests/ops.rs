@@ -10,7 +10,8 @@ use std::time::Duration;
 use chrono::{DateTime, Timelike, Utc};
 use outbox_relay::config::{Config, JanitorConfig};
 use outbox_relay::janitor::{run_janitor, run_janitor_observed, JanitorSummary};
-use outbox_relay::store::outbox::{no_cursor, ClaimScope, Write};
+use outbox_relay::store::mark::Write;
+use outbox_relay::store::outbox::{no_cursor, ClaimScope};
 use outbox_relay::store::partitions::{self, MaintainOptions, PartitionAction};
 use outbox_relay::store::retention::{self as prune, PruneOptions};
 use outbox_relay::store::stats::{self, snapshot};
@@ -729,7 +730,7 @@ async fn partitioned_outbox_claims_dedupes_prunes_and_drops_old_partitions() {
     let fence = taken[0].fence;
     let scope = ClaimScope {
         fence,
-        ordered: &[],
+        routes: &[],
         out: &[],
     };
     let claimed = session.claim_due(&scope, no_cursor(), 10).await.unwrap();
@@ -966,7 +967,7 @@ async fn the_partitioned_outbox_has_every_column_and_index_of_the_migrated_one()
         common::column::<String, Vec<_>>(&client, INDEXES).await,
         common::column::<String, Vec<_>>(&client, TRIGGERS).await,
     );
-    assert_eq!(columns.len(), 18, "{columns:?}");
+    assert_eq!(columns.len(), 19, "{columns:?}");
     assert!(indexes.len() >= 7, "{indexes:?}");
     assert_eq!(triggers.len(), 1, "{triggers:?}"); // no NOTIFY trigger (migration 0006)
     partitions::init(&mut client, 0).await.unwrap();

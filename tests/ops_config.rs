@@ -3,31 +3,13 @@
 
 mod common;
 
-use common::is_known_series;
+use common::{is_known_series, our_series};
 use outbox_relay::metrics::names::{HISTOGRAMS, METRIC_NAMES};
 use serde_json::Value;
 
 fn read(path: &str) -> String {
     std::fs::read_to_string(format!("{}/{path}", env!("CARGO_MANIFEST_DIR")))
         .unwrap_or_else(|e| panic!("{path}: {e}"))
-}
-
-/// Every `outbox_relay_…` identifier in a PromQL expression.
-fn our_series(expr: &str) -> Vec<String> {
-    const PREFIX: &str = "outbox_relay_";
-    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':';
-    let mut found = Vec::new();
-    let mut rest = expr;
-    while let Some(at) = rest.find(PREFIX) {
-        let starts_word = rest[..at].chars().next_back().is_none_or(|c| !is_ident(c));
-        let tail = &rest[at..];
-        let end = tail.find(|c: char| !is_ident(c)).unwrap_or(tail.len());
-        if starts_word {
-            found.push(tail[..end].to_owned());
-        }
-        rest = &tail[end.max(1)..];
-    }
-    found
 }
 
 /// Strings under the keys Grafana keeps PromQL in, anywhere in the document.
@@ -242,4 +224,110 @@ fn every_alert_is_complete_and_uses_only_exported_metrics() {
                 !e.contains("outbox_relay_backlog") || e.contains("absent(")
             })
     );
+}
+
+fn alert_rules() -> Vec<serde_norway::Value> {
+    let rules: serde_norway::Value =
+        serde_norway::from_str(&read("config/prometheus/alerts.yml")).unwrap();
+    rules["groups"]
+        .as_sequence()
+        .expect("groups")
+        .iter()
+        .flat_map(|g| g["rules"].as_sequence().expect("rules").clone())
+        .collect()
+}
+
+/// The alerts' texts agree with the code: every metric they name is
+/// exported, and the paused-route alert explains every cause a pause can
+/// have (`outbox_relay_route_pauses_total{cause}`).
+#[test]
+fn the_alert_texts_name_what_the_code_exports() {
+    for rule in alert_rules() {
+        let name = rule["alert"].as_str().unwrap();
+        for key in ["summary", "description"] {
+            let text = rule["annotations"][key].as_str().unwrap_or_default();
+            for series in our_series(text) {
+                assert!(
+                    is_known_series(&series),
+                    "{name}: {key} names `{series}`, which the relay does not export"
+                );
+            }
+        }
+        if name == "OutboxRelayRoutePaused" {
+            let text = rule["annotations"]["description"].as_str().unwrap();
+            for cause in [
+                "unauthorized",
+                "rate_limited",
+                "redirect",
+                "connect",
+                "failing",
+            ] {
+                assert!(
+                    text.contains(cause),
+                    "{name}: the description does not explain cause `{cause}`"
+                );
+            }
+        }
+    }
+}
+
+/// Every alert has a case in the rules' unit tests
+/// (`config/prometheus/alerts.test.yml`), whose input series are ones the
+/// relay (or Prometheus: `up`) exports.
+#[test]
+fn every_alert_has_a_unit_test_on_exported_series() {
+    let tests = read("config/prometheus/alerts.test.yml");
+    for rule in alert_rules() {
+        let name = rule["alert"].as_str().unwrap();
+        assert!(
+            tests.contains(&format!("alertname=\"{name}\""))
+                || tests.contains(&format!("alertname: {name}")),
+            "{name} has no case in alerts.test.yml"
+        );
+    }
+    let doc: serde_norway::Value = serde_norway::from_str(&tests).unwrap();
+    let mut inputs = 0;
+    for case in doc["tests"].as_sequence().expect("tests") {
+        for input in case["input_series"].as_sequence().expect("input_series") {
+            let series = input["series"].as_str().unwrap();
+            let name = &series[..series.find('{').unwrap_or(series.len())];
+            assert!(
+                name == "up" || is_known_series(name),
+                "alerts.test.yml feeds `{name}`, which the relay does not export"
+            );
+            inputs += 1;
+        }
+    }
+    assert!(inputs >= 10, "{inputs} input series");
+}
+
+/// `promtool check rules` and `promtool test rules` (Debian's `prometheus`
+/// package; CI installs it): the rules load, and each fires when and with
+/// the labels its unit test expects. Skipped, saying so, without promtool.
+#[test]
+fn the_alert_rules_pass_promtool() {
+    let dir = format!("{}/config/prometheus", env!("CARGO_MANIFEST_DIR"));
+    let promtool = |args: &[&str]| {
+        std::process::Command::new("promtool")
+            .args(args)
+            .current_dir(&dir)
+            .output()
+    };
+    if promtool(&["--version"]).is_err() {
+        eprintln!("SKIPPED the_alert_rules_pass_promtool: promtool is not installed (apt-get install prometheus)");
+        return;
+    }
+    for args in [
+        &["check", "rules", "alerts.yml"][..],
+        &["test", "rules", "alerts.test.yml"],
+    ] {
+        let out = promtool(args).unwrap();
+        assert!(
+            out.status.success(),
+            "promtool {}:\n{}{}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }

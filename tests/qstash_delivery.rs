@@ -343,14 +343,38 @@ fn with_callback_listener(toml: &str, addr: std::net::SocketAddr) -> String {
 /// `drain --max-duration <max>` with an ordered QStash route on 60 events,
 /// against the stand-in delivering to a destination that accepts all; the
 /// route's callback URL is the drain's own listener when `reachable`, else a
-/// port nobody listens on. The drain's JSON report and how long it ran.
+/// port nobody listens on. The drain's JSON report (with its exit code as
+/// `status_code`) and how long it ran.
 async fn drain_ordered_qstash(reachable: bool, max: &str) -> (serde_json::Value, Duration, i64) {
+    let (report, took, db) = drain_ordered_qstash_with(
+        60,
+        DestinationConfig::default(),
+        DeliveryConfig::default(),
+        reachable,
+        max,
+    )
+    .await;
+    let published = count(
+        &db,
+        "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL",
+    )
+    .await;
+    (report, took, published)
+}
+
+/// The same on `events` events over 6 keys, with this destination and
+/// delivery; the database too.
+async fn drain_ordered_qstash_with(
+    events: usize,
+    destination: DestinationConfig,
+    delivery: DeliveryConfig,
+    reachable: bool,
+    max: &str,
+) -> (serde_json::Value, Duration, outbox_testkit::TestDb) {
     let db = common::test_db().await;
-    let dest = Destination::start(DestinationConfig::default())
-        .await
-        .unwrap();
+    let dest = Destination::start(destination).await.unwrap();
     let sink = Sink::start(SinkConfig {
-        delivery: Some(DeliveryConfig::default()),
+        delivery: Some(delivery),
         ..SinkConfig::for_tests(common::TOKEN)
     })
     .await
@@ -368,7 +392,7 @@ async fn drain_ordered_qstash(reachable: bool, max: &str) -> (serde_json::Value,
         dest.url(),
         callback::CALLBACK_PATH
     );
-    insert_events(&db, 60, 6).await;
+    insert_events(&db, events, 6).await;
     let toml = with_callback_listener(&common::config_toml(&db, &sink.url(), &routes), listener);
     let started = std::time::Instant::now();
     let mut relay = common::spawn_relay(
@@ -380,15 +404,10 @@ async fn drain_ordered_qstash(reachable: bool, max: &str) -> (serde_json::Value,
         .exit_within(Duration::from_secs(90))
         .await
         .expect("drain exits");
-    assert!(status.success());
-    let report: serde_json::Value =
+    let mut report: serde_json::Value =
         serde_json::from_str(&relay.read_stdout().await.unwrap()).unwrap();
-    let published = count(
-        &db,
-        "SELECT count(*) FROM outbox WHERE published_at IS NOT NULL",
-    )
-    .await;
-    (report, started.elapsed(), published)
+    report["status_code"] = status.code().into();
+    (report, started.elapsed(), db)
 }
 
 /// `drain` (the cron-style one-shot) with an ordered QStash route: the events
@@ -402,6 +421,7 @@ async fn drain_receives_the_delivery_callbacks_of_an_ordered_qstash_route() {
     assert_eq!(report["remaining"], 0, "{report}");
     assert_eq!(report["held"], 0, "{report}");
     assert!(took < Duration::from_secs(30), "{took:?}: {report}");
+    assert_eq!(report["status_code"], 0, "{report}");
     assert_eq!(published, 60);
 }
 
@@ -414,5 +434,44 @@ async fn a_drain_whose_callbacks_go_elsewhere_reports_the_events_still_held() {
     assert_eq!(report["remaining"], 60, "{report}");
     // One event of each of the six keys went out and is held.
     assert_eq!(report["held"], 6, "{report}");
+    // Stopped at --max-duration with events left: exit 3.
+    assert_eq!(report["status_code"], 3, "{report}");
+    assert_eq!(report["status"], "backlog_left", "{report}");
     assert_eq!(published, 0);
+}
+
+/// `drain` with an ordered QStash route whose destination fails every
+/// attempt: QStash's last failed attempt comes back as a delivery callback
+/// that dead-letters each event. Those dead letters are the drain's too:
+/// it exits 4 and counts them, although its marker dead-lettered nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_whose_callbacks_dead_letter_exits_with_the_dead_letter_code() {
+    let (report, _, db) = drain_ordered_qstash_with(
+        6,
+        DestinationConfig {
+            failure_rate: 1.0,
+            ..DestinationConfig::default()
+        },
+        DeliveryConfig {
+            retries: 1,
+            retry_delay: RetryDelay::Fixed(Duration::from_millis(100)),
+            ..DeliveryConfig::default()
+        },
+        true,
+        "40s",
+    )
+    .await;
+    assert_eq!(report["status_code"], 4, "{report}");
+    assert_eq!(report["status"], "dead_lettered", "{report}");
+    assert_eq!(report["timed_out"], false, "{report}");
+    assert_eq!(report["counters"]["dead_lettered"], 0, "{report}");
+    assert_eq!(report["dead_lettered_by_callbacks"], 6, "{report}");
+    assert_eq!(
+        count(
+            &db,
+            "SELECT count(*) FROM outbox WHERE dead_lettered_at IS NOT NULL"
+        )
+        .await,
+        6
+    );
 }

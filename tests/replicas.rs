@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 
 use common::{config_toml, count, insert_events, pending, wait_until};
 use nix::sys::signal::Signal;
-use outbox_relay::store::outbox::{no_cursor, ClaimScope, Held, Write};
+use outbox_relay::store::mark::{Held, Write};
+use outbox_relay::store::outbox::{no_cursor, ClaimScope};
 use outbox_relay::store::{Fence, ShardId, Store};
 use outbox_testkit::relay::{Output, RelayProcess};
 use outbox_testkit::sink::{Received, SinkHandle};
@@ -466,7 +467,7 @@ impl ByHand {
         };
         let scope = ClaimScope {
             fence,
-            ordered: &[],
+            routes: &[],
             out: &[],
         };
         self.store

@@ -13,54 +13,46 @@
 //! 3. **Dead letters come from the message, never from an outage.** A
 //!    rejection of a message itself is [`AnswerKind::Rejected`]: a 4xx other
 //!    than 401/403/408/429 to a request carrying it alone, or an error element
-//!    in its slot of a readable batch answer. A row is dead-lettered justly
-//!    when, before its `dead_lettered_at`, either
-//!    (a) the sink's last answer about it was such a rejection, and either
-//!    no `refused` outage (in which the sink sees no request) began since,
-//!    or the row's `last_error` is that rejection's (the relay writes the
-//!    error with the dead letter, so a dead letter caused by a refused
-//!    connection names the connection; a mark can land seconds after the
-//!    answer, when the rest of its request waits on a slow sink); or
-//!    (b) the sink rejected it for itself at least once, and it was
-//!    dead-lettered outside every outage and the second after it (attempts
-//!    used up by its own rejections mixed with random failures).
-//!    A row dead-lettered in an outage after a sink-wide answer (5xx, 401,
-//!    403, 429, reset, hang, unreadable answer) or a refused connection, or
-//!    one the sink never rejected for itself, breaks the invariant.
-//! 4. **Progress.** The count of settled rows (published + dead-lettered),
-//!    sampled every [`SAMPLE_EVERY`], never stays flat for a lease or longer
-//!    while rows are pending, outage time excepted: the clock of a stall
-//!    starts at the later of its last progress and the end of the last outage,
-//!    so after every outage progress must resume within one lease.
+//!    in its slot of a readable batch answer. The sink marks every answer an
+//!    outage gave ([`AnswerEvent::outage`]). A row is dead-lettered justly
+//!    when, before its `dead_lettered_at`, the sink's last answer about it was
+//!    not an outage's (a sink-wide one, or a deploy blip's 404, 410 or 503
+//!    across its route: such a dead letter is the outage's, however late it
+//!    came), and either
+//!    (a) that last answer was such a rejection, and either no `refused`
+//!    outage (in which the sink sees no request) began since, or the row's
+//!    `last_error` is that rejection's (the relay writes the error with the
+//!    dead letter, so a dead letter caused by a refused connection names the
+//!    connection; a mark can land seconds after the answer, when the rest of
+//!    its request waits on a slow sink); or
+//!    (b) the sink rejected it for itself at least once, and no `refused`
+//!    outage began after its last answer (attempts used up by its own
+//!    rejections mixed with random failures, the last of which may come as
+//!    an outage begins).
+//!    A row the sink never rejected for itself breaks the invariant too.
+//! 4. **Progress** (`crate::progress`). Each route's count of settled rows
+//!    (published + dead-lettered), sampled every [`SAMPLE_EVERY`], never
+//!    stays flat for a lease or longer while that route has rows pending,
+//!    the time of outages that hit the route excepted (sink-wide ones and
+//!    its own): its clock restarts at such an outage's end, so after every
+//!    outage the route must settle rows again within one lease. Another
+//!    route's outage excuses nothing, and one route's progress does not
+//!    hide another's stall.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::progress::{resumed_after, stalls};
+pub use crate::progress::{ProgressSample, SAMPLE_EVERY};
 use crate::verify::{sample_ids, OutboxRow};
 use outbox_testkit::sink::{AnswerEvent, AnswerKind, OutageKind, OutageWindow};
-
-/// How often the harness samples progress.
-pub const SAMPLE_EVERY: Duration = Duration::from_millis(250);
-
-/// Settled (published or dead-lettered) and pending rows, counted at `at_us`.
-pub const PROGRESS: &str = "SELECT
-  count(*) FILTER (WHERE published_at IS NOT NULL OR dead_lettered_at IS NOT NULL),
-  count(*) FILTER (WHERE published_at IS NULL AND dead_lettered_at IS NULL)
-FROM outbox";
 
 /// When each dead-lettered row was dead-lettered, unix µs.
 pub const DEAD_LETTERED_AT: &str =
     "SELECT id, (extract(epoch FROM dead_lettered_at) * 1000000)::bigint
 FROM outbox WHERE dead_lettered_at IS NOT NULL";
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ProgressSample {
-    pub at_us: i64,
-    pub settled: i64,
-    pub pending: i64,
-}
 
 /// A dead letter the sink's answers do not explain.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -80,18 +72,25 @@ pub struct AnswerCounts {
     pub failed: u64,
 }
 
-/// A stall: no row settled from `from_secs` for `secs` while rows were pending.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+/// A stall: no row (of `route`) settled from `from_secs` for `secs` while
+/// rows (of that route) were pending.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Stall {
     /// Seconds since the run's origin.
     pub from_secs: f64,
     pub secs: f64,
+    /// The route's destination path; `None` for all rows together.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub route: Option<String>,
 }
 
 /// One outage and how soon rows settled again after it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OutageOutcome {
     pub kind: OutageKind,
+    /// The destination path it was limited to; the whole sink when `None`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub route: Option<String>,
     pub from_secs: f64,
     pub secs: f64,
     /// From the outage's end to the first progress after it; `None` when
@@ -123,7 +122,8 @@ pub struct AdversarialReport {
     pub samples: u64,
     /// Longest time without progress while rows were pending, outages included.
     pub longest_stall: Stall,
-    /// The same with outage time excepted (the invariant).
+    /// The longest any route went without progress while it had rows
+    /// pending, the outages that hit it excepted (the invariant).
     pub longest_charged_stall: Stall,
 }
 
@@ -175,10 +175,15 @@ impl AdversarialReport {
         if self.samples < 2 {
             f.push("progress was not sampled".into());
         }
-        let s = self.longest_charged_stall;
+        let s = &self.longest_charged_stall;
         if s.secs >= self.lease_secs {
+            let of = s
+                .route
+                .as_deref()
+                .map(|r| format!(" of route {r}"))
+                .unwrap_or_default();
             f.push(format!(
-                "no event settled for {:.1} s from {:.1} s with events pending, outages excepted: longer than the lease ({:.1} s)",
+                "no event{of} settled for {:.1} s from {:.1} s with events pending, outages excepted: longer than the lease ({:.1} s)",
                 s.secs, s.from_secs, self.lease_secs
             ));
         }
@@ -275,18 +280,21 @@ pub fn check(input: &CheckInput<'_>) -> AdversarialReport {
     }
     let (raw, charged) = stalls(input.samples, input.outages);
     r.longest_stall = Stall {
-        from_secs: secs(raw.0),
-        secs: raw.1 as f64 / 1e6,
+        from_secs: secs(raw.start),
+        secs: raw.len as f64 / 1e6,
+        route: None,
     };
     r.longest_charged_stall = Stall {
-        from_secs: secs(charged.0),
-        secs: charged.1 as f64 / 1e6,
+        from_secs: secs(charged.start),
+        secs: charged.len as f64 / 1e6,
+        route: charged.route,
     };
     r.outages = input
         .outages
         .iter()
         .map(|o| OutageOutcome {
             kind: o.kind,
+            route: o.route.clone(),
             from_secs: secs(o.start_us),
             secs: (o.end_us - o.start_us) as f64 / 1e6,
             resumed_after_secs: resumed_after(input.samples, o.end_us),
@@ -301,9 +309,6 @@ fn reason(last_error: Option<&str>) -> String {
     let head = e.split(':').next().unwrap_or(e).trim();
     head.chars().take(60).collect()
 }
-
-/// A dead letter this soon after an outage's end still counts as in it.
-const OUTAGE_GRACE_US: i64 = 1_000_000;
 
 /// Rule 3 of the module doc.
 fn justify(
@@ -325,31 +330,33 @@ fn justify(
         return Err("the sink never answered about it before it was dead-lettered".into());
     };
     let history = || history(&before, secs);
-    if last.kind.is_rejection() {
-        if names_rejection(last_error, last.kind) {
-            return Ok(());
-        }
-        if let Some(o) = outages.iter().find(|o| {
-            o.kind == OutageKind::Refused && o.start_us > last.at_us && o.start_us <= dead_at
-        }) {
-            return Err(format!(
-                "connections were refused from {:.3} s, after the sink's last rejection of it; {}",
-                secs(o.start_us),
-                history()
-            ));
-        }
+    if let Some(kind) = last.outage {
+        let o = outages
+            .iter()
+            .filter(|o| o.kind == kind && o.start_us <= last.at_us)
+            .max_by_key(|o| o.start_us);
+        return Err(format!(
+            "its last answer before the dead letter at {:.3} s was the {} outage's{}{}; {}",
+            secs(dead_at),
+            kind.as_str(),
+            o.and_then(|o| o.route.as_deref())
+                .map(|r| format!(" on {r}"))
+                .unwrap_or_default(),
+            o.map(|o| format!(" ({:.1}-{:.1} s)", secs(o.start_us), secs(o.end_us)))
+                .unwrap_or_default(),
+            history()
+        ));
+    }
+    if last.kind.is_rejection() && names_rejection(last_error, last.kind) {
         return Ok(());
     }
     if let Some(o) = outages
         .iter()
-        .find(|o| o.start_us <= dead_at && dead_at <= o.end_us + OUTAGE_GRACE_US)
+        .find(|o| o.kind == OutageKind::Refused && o.start_us > last.at_us && o.start_us <= dead_at)
     {
         return Err(format!(
-            "dead-lettered at {:.3} s, in the {} outage ({:.1}-{:.1} s); {}",
-            secs(dead_at),
-            o.kind.as_str(),
+            "connections were refused from {:.3} s, after the sink's last answer about it; {}",
             secs(o.start_us),
-            secs(o.end_us),
             history()
         ));
     }
@@ -398,49 +405,6 @@ fn history(answers: &[&AnswerEvent], secs: &dyn Fn(i64) -> f64) -> String {
     )
 }
 
-/// `((start, length) of the longest stall, (start, length) of the longest
-/// stall with outage time excepted)`, unix µs and µs.
-fn stalls(samples: &[ProgressSample], outages: &[OutageWindow]) -> ((i64, i64), (i64, i64)) {
-    let Some(first) = samples.first() else {
-        return ((0, 0), (0, 0));
-    };
-    let (mut since, mut since_charged) = (first.at_us, first.at_us);
-    let (mut raw, mut charged) = ((first.at_us, 0), (first.at_us, 0));
-    for w in samples.windows(2) {
-        let (prev, cur) = (w[0], w[1]);
-        if cur.settled > prev.settled || prev.pending == 0 {
-            since = cur.at_us;
-            since_charged = cur.at_us;
-            continue;
-        }
-        // Outage time does not count: the clock restarts when one ends (or
-        // stands still at `cur` while one lasts).
-        for o in outages {
-            if o.start_us <= cur.at_us {
-                since_charged = since_charged.max(o.end_us.min(cur.at_us));
-            }
-        }
-        if cur.at_us - since > raw.1 {
-            raw = (since, cur.at_us - since);
-        }
-        if cur.at_us - since_charged > charged.1 {
-            charged = (since_charged, cur.at_us - since_charged);
-        }
-    }
-    (raw, charged)
-}
-
-fn resumed_after(samples: &[ProgressSample], end_us: i64) -> Option<f64> {
-    let at_end = samples.iter().rev().find(|s| s.at_us <= end_us)?;
-    if at_end.pending == 0 {
-        return None;
-    }
-    samples
-        .iter()
-        .find(|s| s.at_us > end_us && s.settled > at_end.settled)
-        .map(|s| (s.at_us - end_us) as f64 / 1e6)
-}
-
 /// The row ids [`check`] found justly dead-lettered, for [`crate::verify`].
 pub fn justified(report: &AdversarialReport) -> BTreeSet<i64> {
     report.justified_dead_letters.iter().copied().collect()
@@ -473,7 +437,17 @@ mod tests {
             at_us: at_s * S,
             outbox_id: id,
             kind,
+            outage: None,
         }
+    }
+
+    /// Marks row `id`'s answer at `at_s` as the `kind` outage's.
+    fn flag(answers: &mut [AnswerEvent], id: i64, at_s: i64, kind: OutageKind) {
+        let a = answers
+            .iter_mut()
+            .find(|a| a.outbox_id == id && a.at_us == at_s * S)
+            .expect("an answer to flag");
+        a.outage = Some(kind);
     }
 
     /// The answer events of each `(outbox id, [(second, kind)])`.
@@ -490,6 +464,7 @@ mod tests {
                 at_us: t * S,
                 settled,
                 pending,
+                routes: Default::default(),
             })
             .collect()
     }
@@ -570,6 +545,8 @@ mod tests {
             (12, &[(1, Rejected { status: 200 })]),
             (13, &[(1, Rejected { status: 400 })]),
         ]);
+        let mut answers = answers;
+        flag(&mut answers, 4, 2, OutageKind::ServerError);
         let dead = [
             (3, 3 * S),
             (4, 3 * S),
@@ -587,11 +564,13 @@ mod tests {
                 kind: OutageKind::ServerError,
                 start_us: 2 * S,
                 end_us: 5 * S / 2,
+                route: None,
             },
             OutageWindow {
                 kind: OutageKind::Refused,
                 start_us: 5 * S,
                 end_us: 8 * S,
+                route: None,
             },
         ];
         let samples = progress(&[(0, 0, 7), (1, 1, 6), (2, 6, 1)]);
@@ -609,7 +588,13 @@ mod tests {
             .iter()
             .map(|d| d.why.as_str())
             .collect();
-        assert!(why[0].starts_with("dead-lettered at 3.000 s, in the server_error outage"));
+        assert!(
+            why[0].starts_with(
+                "its last answer before the dead letter at 3.000 s was the server_error outage's (2.0-2.5 s)"
+            ),
+            "{}",
+            why[0]
+        );
         assert!(why[1].starts_with("connections were refused from 5.000 s"));
         assert!(why[2].starts_with("the sink never rejected the message itself"));
         assert!(why[2].contains("Failed { status: 503 } at 11.000 s"));
@@ -622,7 +607,10 @@ mod tests {
             f.contains("neither published nor dead-lettered: ids 6"),
             "{f}"
         );
-        assert!(f.contains("id 4: dead-lettered at 3.000 s"), "{f}");
+        assert!(
+            f.contains("id 4: its last answer before the dead letter"),
+            "{f}"
+        );
     }
 
     #[test]
@@ -644,6 +632,7 @@ mod tests {
             kind: OutageKind::ServerError,
             start_us: 12 * S,
             end_us: 30 * S,
+            route: None,
         }];
         let r = check(&input(&rows, &[], &answers, &outages, &samples));
         assert_eq!(r.longest_stall.secs, 28.0);
@@ -662,5 +651,130 @@ mod tests {
         );
         let r = check(&input(&rows, &[], &answers, &[], &[]));
         assert_eq!(r.failures(), vec!["progress was not sampled".to_string()]);
+    }
+
+    #[test]
+    fn a_dead_letter_after_a_blip_answer_is_caused_by_the_blip() {
+        let rows = [
+            // 404 from the route's deploy blip, dead-lettered at once.
+            row(
+                1,
+                false,
+                true,
+                Some("HTTP 404: not found (deploy in progress)"),
+            ),
+            // Rejected for itself once, then the blip's 410; dead-lettered
+            // well after the blip: still the blip's doing.
+            row(
+                2,
+                false,
+                true,
+                Some("attempt 8 of 8 failed: HTTP 410: gone"),
+            ),
+            // A random 404 of its own during the blip: its own rejection.
+            row(3, false, true, Some("HTTP 404: injected 404")),
+            // Dead-lettered during another route's outage, for itself.
+            row(4, false, true, Some("HTTP 422: nope")),
+        ];
+        let answers = answers_by_row(&[
+            (1, &[(11, Failed { status: 404 })]),
+            (
+                2,
+                &[(1, Rejected { status: 400 }), (21, Failed { status: 410 })],
+            ),
+            (3, &[(11, Rejected { status: 404 })]),
+            (4, &[(31, Rejected { status: 422 })]),
+        ]);
+        let mut answers = answers;
+        flag(&mut answers, 1, 11, OutageKind::NotFound);
+        flag(&mut answers, 2, 21, OutageKind::Gone);
+        let dead = [(1, 11 * S), (2, 25 * S), (3, 11 * S), (4, 31 * S)];
+        let blip = |kind, from: i64, route: Option<&str>| OutageWindow {
+            kind,
+            start_us: from * S,
+            end_us: (from + 2) * S,
+            route: route.map(str::to_owned),
+        };
+        let outages = [
+            blip(OutageKind::NotFound, 10, Some("/hook")),
+            blip(OutageKind::Gone, 20, None),
+            blip(OutageKind::ServerError, 30, Some("/hook/invoices")),
+        ];
+        let samples = progress(&[(0, 0, 4), (40, 4, 0)]);
+        let r = check(&input(&rows, &dead, &answers, &outages, &samples));
+        assert_eq!(r.justified_dead_letters, vec![3, 4]);
+        let unjust: Vec<i64> = r.unjustified_dead_letters.iter().map(|d| d.id).collect();
+        assert_eq!(unjust, vec![1, 2]);
+        let why = &r.unjustified_dead_letters[0].why;
+        assert!(
+            why.contains("last answer before the dead letter at 11.000 s was the not_found outage's on /hook"),
+            "{why}"
+        );
+        assert!(r.unjustified_dead_letters[1]
+            .why
+            .contains("the gone outage's ("));
+    }
+
+    /// Two dead letters two runs called unjust: a poison event whose last
+    /// attempt got a random 503 on its own route while another route was
+    /// down, and one whose last attempt got an unreadable 200 just as a
+    /// sink-wide outage began. Both were used up by their own rejections;
+    /// neither answer was an outage's.
+    #[test]
+    fn a_dead_letter_near_an_outage_is_judged_by_the_answer_that_caused_it() {
+        let rows = [
+            row(1, false, true, Some("attempt 8 of 8 failed: HTTP 503: x")),
+            row(2, false, true, Some("attempt 8 of 8 failed: unreadable")),
+        ];
+        let answers = answers_by_row(&[
+            (
+                1,
+                &[(46, Rejected { status: 400 }), (50, Failed { status: 503 })],
+            ),
+            (
+                2,
+                &[(3, Rejected { status: 400 }), (5, Failed { status: 200 })],
+            ),
+        ]);
+        let dead = [(1, 50 * S), (2, 5 * S)];
+        let outages = [
+            OutageWindow {
+                kind: OutageKind::ServerError,
+                start_us: 45 * S,
+                end_us: 57 * S,
+                route: Some("/hook/invoices".into()),
+            },
+            OutageWindow {
+                kind: OutageKind::ServerError,
+                start_us: 5 * S,
+                end_us: 9 * S,
+                route: None,
+            },
+        ];
+        let samples = progress(&[(0, 0, 2), (60, 2, 0)]);
+        let r = check(&input(&rows, &dead, &answers, &outages, &samples));
+        assert_eq!(r.justified_dead_letters, vec![1, 2], "{:?}", r.failures());
+    }
+
+    #[test]
+    fn one_route_down_excuses_no_stall() {
+        let rows = [row(1, true, false, None)];
+        let answers = [ans(1, 1, AnswerKind::Accepted)];
+        // Flat from 10 s to 40 s while only /hook/invoices is down.
+        let samples = progress(&[(0, 0, 100), (10, 50, 50), (40, 50, 50), (41, 100, 0)]);
+        let outages = [OutageWindow {
+            kind: OutageKind::ServerError,
+            start_us: 10 * S,
+            end_us: 35 * S,
+            route: Some("/hook/invoices".into()),
+        }];
+        let r = check(&input(&rows, &[], &answers, &outages, &samples));
+        assert_eq!(r.longest_charged_stall.secs, 30.0);
+        assert_eq!(r.outages[0].route.as_deref(), Some("/hook/invoices"));
+        assert!(
+            r.failures()[0].contains("longer than the lease"),
+            "{:?}",
+            r.failures()
+        );
     }
 }

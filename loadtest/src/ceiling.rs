@@ -6,7 +6,8 @@
 
 use std::time::{Duration, Instant};
 
-use outbox_relay::store::outbox::{no_cursor, ClaimScope, Claimed, Held, Write};
+use outbox_relay::store::mark::{Held, Write};
+use outbox_relay::store::outbox::{no_cursor, ClaimScope, Claimed};
 use outbox_relay::store::{ShardId, Store, StoreError};
 use serde::Serialize;
 
@@ -37,7 +38,7 @@ pub async fn run(database_url: &str, claim_batch: i64) -> Result<Ceiling, StoreE
                 .await?;
             let scope = ClaimScope {
                 fence,
-                ordered: &[],
+                routes: &[],
                 out: &[],
             };
             let mut session = store.session();

@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use loadtest::producer::{self, EventMix, LoadSpec, PreloadSpec, Skew};
 use loadtest::runner::{run_scenario, RunOptions};
-use loadtest::scenario::Scenario;
+use loadtest::scenario::{RelayUnderTest, Scenario};
 use outbox_testkit::relay::RelayProgram;
 use outbox_testkit::sink::{DeliveryConfig, FaultConfig, Sink, SinkConfig, DEV_TOKEN};
 
@@ -86,6 +86,42 @@ enum Command {
         keep_database: bool,
         #[arg(long)]
         no_progress: bool,
+        /// A throwaway cluster with fsync, synchronous_commit and
+        /// full_page_writes off even for a performance scenario (a labelled extra).
+        #[arg(long)]
+        fsync_off: bool,
+    },
+    /// Several relays side by side: each scenario run with each relay
+    /// (`--relay seed`, `--relay NAME=PATH`), interleaved and repeated, on
+    /// one cluster (durable, a throwaway one unless DATABASE_URL is set),
+    /// each run with a fresh database and its own sink process; writes
+    /// comparison.md and comparison.json.
+    Compare(CompareArgs),
+    /// An older release's relay delivering while this release's `migrate`
+    /// runs, producers inserting; then the relays replaced as `migrate` says.
+    /// Prints the steps and the longest delivery gap.
+    RollingUpgrade {
+        /// The older release's `outbox-relay` (built from an older commit).
+        #[arg(long)]
+        old_relay_bin: PathBuf,
+        /// This release's relay; default: `outbox-relay` next to this binary.
+        #[arg(long)]
+        new_relay_bin: Option<PathBuf>,
+        /// Server to create the run's database on; a throwaway cluster when absent.
+        #[arg(long, env = "DATABASE_URL")]
+        database_url: Option<String>,
+        #[arg(long, default_value_t = 200.0)]
+        rate: f64,
+        #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+        warmup: Duration,
+        /// `migrate --allow-live-older`: leave the older relay on the new schema.
+        #[arg(long)]
+        force: bool,
+        /// With --force, how long the older relay runs on before it is replaced.
+        #[arg(long, default_value = "20s", value_parser = humantime::parse_duration)]
+        replace_after: Duration,
+        #[arg(long, default_value = "target/loadtest/rolling-upgrade")]
+        out: PathBuf,
     },
     /// The relay engine in this process, as `outbox-relay migrate|run` runs it
     /// (what `--relay-bin embedded` starts as the child process).
@@ -105,6 +141,30 @@ enum EmbeddedRelayCommand {
         #[arg(long)]
         config: PathBuf,
     },
+}
+
+#[derive(Args)]
+struct CompareArgs {
+    scenarios: Vec<PathBuf>,
+    /// `seed` (the article's relay) or NAME=PATH of an `outbox-relay` binary; repeatable.
+    #[arg(long = "relay", required = true)]
+    relays: Vec<String>,
+    #[arg(long, default_value_t = 2)]
+    rounds: u32,
+    /// The seed relay drains at most this many events of each drain scenario.
+    #[arg(long)]
+    seed_events: Option<u64>,
+    /// The relay the ratios are taken against besides the seed; default:
+    /// the first NAME=PATH given.
+    #[arg(long)]
+    before: Option<String>,
+    #[arg(long, env = "DATABASE_URL")]
+    database_url: Option<String>,
+    /// fsync, synchronous_commit and full_page_writes off (a labelled extra).
+    #[arg(long)]
+    fsync_off: bool,
+    #[arg(long, default_value = "target/loadtest/compare")]
+    out: PathBuf,
 }
 
 /// Where a run happens: its database server, the relay it drives, its files.
@@ -370,10 +430,12 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 },
             keep_database,
             no_progress,
+            fsync_off,
         } => {
             let scenario = Scenario::load(&scenario)?;
             let mut opts = RunOptions::new(out.join(&scenario.name));
             opts.database_url = database_url;
+            opts.fsync_off = fsync_off;
             opts.keep_database = keep_database;
             opts.progress = !no_progress;
             if let Some(bin) = relay_bin {
@@ -406,6 +468,51 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             eprintln!("draining {events} preloaded events ...");
             run_and_report(&scenario, &opts).await
         }
+        Command::Compare(args) => {
+            let command = std::env::args().collect::<Vec<_>>().join(" ");
+            compare(args, &command).await
+        }
+        Command::RollingUpgrade {
+            old_relay_bin,
+            new_relay_bin,
+            database_url,
+            rate,
+            warmup,
+            force,
+            replace_after,
+            out,
+        } => {
+            anyhow::ensure!(
+                old_relay_bin.is_file(),
+                "no relay binary at {}",
+                old_relay_bin.display()
+            );
+            let new_relay = match new_relay_bin {
+                Some(bin) => relay_program(bin)?,
+                None => relay_program(std::env::current_exe()?.with_file_name("outbox-relay"))?,
+            };
+            let opts = loadtest::rolling::RollingOptions {
+                old_relay: old_relay_bin,
+                new_relay,
+                database_url,
+                rate,
+                warmup,
+                after_refusal: Duration::from_secs(5),
+                force,
+                replace_after,
+                settle: Duration::from_secs(15),
+                out_dir: out,
+            };
+            let report = loadtest::rolling::run(&opts)
+                .await
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            print!("{}", report.summary());
+            if let Some(refusal) = &report.refusal {
+                println!("migrate said:\n{refusal}");
+            }
+            println!("report: {}", opts.out_dir.join("report.json").display());
+            Ok(ExitCode::SUCCESS)
+        }
         Command::EmbeddedRelay { command } => match command {
             EmbeddedRelayCommand::Migrate => {
                 let config = outbox_relay::Config::load(None)?;
@@ -426,11 +533,91 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
 /// Runs `scenario`, prints its table and where the report went; fails the
 /// process when the run did not pass.
 async fn run_and_report(scenario: &Scenario, opts: &RunOptions) -> anyhow::Result<ExitCode> {
+    if scenario.relay == RelayUnderTest::Seed {
+        let report = loadtest::baseline::run(scenario, opts).await?;
+        print!("{}", report.table());
+        return Ok(if report.passed() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        });
+    }
     eprintln!("relay: {}", opts.relay.describe());
     let report = run_scenario(scenario, opts).await?;
     print!("{}", report.table());
     println!("report: {}", opts.out_dir.join("report.json").display());
     Ok(if report.passed {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// `loadtest compare`: one cluster for every run, then the Markdown report.
+async fn compare(args: CompareArgs, command: &str) -> anyhow::Result<ExitCode> {
+    use loadtest::compare::{self, CompareOptions, Contender};
+    let CompareArgs {
+        scenarios,
+        relays,
+        rounds,
+        seed_events,
+        before,
+        database_url,
+        fsync_off,
+        out,
+    } = args;
+    anyhow::ensure!(rounds >= 1, "--rounds: need at least 1");
+    let scenarios = compare::load_scenarios(&scenarios)?;
+    anyhow::ensure!(!scenarios.is_empty(), "name at least one scenario file");
+    let contenders = relays
+        .iter()
+        .map(|r| Contender::parse(r))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(anyhow::Error::msg)?;
+    let before = before.or_else(|| {
+        contenders
+            .iter()
+            .find(|c| c.program.is_some())
+            .map(|c| c.name.clone())
+    });
+    let mut run = RunOptions::new(&out);
+    run.fsync_off = fsync_off;
+    // One cluster for the whole comparison, sized for its largest scenario.
+    let cluster = match &database_url {
+        Some(url) => {
+            run.database_url = Some(url.clone());
+            None
+        }
+        None => {
+            let biggest = scenarios
+                .iter()
+                .max_by_key(|s| s.expected_events())
+                .expect("at least one scenario");
+            let mut options = biggest.cluster_options(fsync_off);
+            options.durable = !fsync_off;
+            let cluster = tokio::task::spawn_blocking(move || {
+                outbox_testkit::ThrowawayCluster::start_with(options)
+            })
+            .await??;
+            run.database_url = Some(cluster.url());
+            run.server_label = Some("the comparison's throwaway cluster".into());
+            Some(cluster)
+        }
+    };
+    let opts = CompareOptions {
+        contenders,
+        rounds,
+        work_dir: out.clone(),
+        seed_events,
+        run,
+    };
+    let result = compare::run(&scenarios, &opts).await;
+    drop(cluster);
+    let comparison = result?;
+    let md = comparison.markdown(before.as_deref(), command);
+    std::fs::write(out.join("comparison.md"), &md)?;
+    print!("{md}");
+    Ok(if comparison.runs.iter().all(|r| r.passed) {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE

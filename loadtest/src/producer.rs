@@ -308,10 +308,10 @@ pub struct ProduceProgress {
 
 /// Opens a harness connection (named [`APPLICATION_NAME`]).
 pub async fn connect(url: &str) -> Result<tokio_postgres::Client, ProduceError> {
-    let mut config =
-        outbox_relay::store::parse_url(url).map_err(|e| ProduceError::Url(e.to_string()))?;
+    let (mut config, tls) =
+        outbox_relay::store::parse_with_tls(url).map_err(|e| ProduceError::Url(e.to_string()))?;
     config.application_name(APPLICATION_NAME);
-    let (client, connection) = config.connect(outbox_relay::store::tls()).await?;
+    let (client, connection) = config.connect(tls).await?;
     tokio::spawn(async move {
         if let Err(e) = connection.await {
             tracing::debug!(error = %e, "loadtest connection closed");

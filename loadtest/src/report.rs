@@ -11,9 +11,11 @@ use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
 use crate::adversarial::AdversarialReport;
+use crate::environment::RunEnvironment;
 use crate::metrics::ReplicaMetrics;
 use crate::procstat::RelayUsage;
 use crate::producer::ProduceStats;
+use crate::relay_faults::RelayFaultsReport;
 use crate::verify::{OutboxRow, Verification};
 use outbox_testkit::sink::{DestinationReport, Record, SinkStats};
 
@@ -173,8 +175,12 @@ fn adversarial_rows(
         .iter()
         .map(|o| {
             format!(
-                "{} {:.1}-{:.1} s{}",
+                "{}{} {:.1}-{:.1} s{}",
                 o.kind.as_str(),
+                o.route
+                    .as_deref()
+                    .map(|r| format!(" on {r}"))
+                    .unwrap_or_default(),
                 o.from_secs,
                 o.from_secs + o.secs,
                 o.resumed_after_secs
@@ -217,14 +223,65 @@ fn adversarial_rows(
     rows.push((
         "longest stall",
         format!(
-            "{:.1} s from {:.1} s; outside outages {:.1} s from {:.1} s (lease {:.1} s)",
+            "{:.1} s from {:.1} s; per route outside its outages {:.1} s from {:.1} s{} (lease {:.1} s)",
             a.longest_stall.secs,
             a.longest_stall.from_secs,
             a.longest_charged_stall.secs,
             a.longest_charged_stall.from_secs,
+            a.longest_charged_stall
+                .route
+                .as_deref()
+                .map(|r| format!(" on {r}"))
+                .unwrap_or_default(),
             a.lease_secs
         ),
     ));
+}
+
+/// The relay faults' lines of the table.
+fn relay_fault_rows(rows: &mut Vec<(&str, String)>, r: &RelayFaultsReport) {
+    if !r.blackholes.is_empty() {
+        let each: Vec<String> = r
+            .blackholes
+            .iter()
+            .map(|b| {
+                format!(
+                    "at {:.1} s, {} connections{}",
+                    b.at_secs,
+                    b.connections,
+                    b.resumed_after_secs
+                        .map(|s| format!(" (rows settled again {s:.1} s after)"))
+                        .unwrap_or_default()
+                )
+            })
+            .collect();
+        rows.push((
+            "blackholed",
+            format!(
+                "{}; {} connections through the proxy in all",
+                each.join("; "),
+                r.proxy_connections
+            ),
+        ));
+    }
+    if let Some(t) = &r.twin {
+        rows.push((
+            "twin replica",
+            format!(
+                "started at {:.1} s: {}{}",
+                t.at_secs,
+                match (&t.exit, t.exited_after_secs) {
+                    (Some(e), Some(after)) => format!("exited with {e} after {after:.1} s"),
+                    (Some(e), None) => e.clone(),
+                    (None, _) => "still running, killed".into(),
+                },
+                t.said
+                    .as_deref()
+                    .map(|l| format!("; said: {}", l.chars().take(200).collect::<String>()))
+                    .unwrap_or_default()
+            ),
+        ));
+    }
 }
 
 /// `"<total> (r0 a, r1 b, …)"`, or just the total with one replica.
@@ -310,9 +367,19 @@ pub struct Report {
     /// The adversarial scenario's checks.
     #[serde(default)]
     pub adversarial: Option<AdversarialReport>,
+    /// What the relay faults did (`[relay_faults]`).
+    #[serde(default)]
+    pub relay_faults: Option<RelayFaultsReport>,
+    /// A load over a preloaded backlog: the latency of the load's events
+    /// alone (rows after the preload's last id), not the backlog's.
+    #[serde(default)]
+    pub load_latency: Option<LatencySummary>,
     /// Delivery mode: what reached the final destination, and in which order.
     #[serde(default)]
     pub destination: Option<DestinationReport>,
+    /// The server's durability, where the sink ran, the machine's state.
+    #[serde(default)]
+    pub environment: Option<RunEnvironment>,
     pub passed: bool,
     pub failures: Vec<String>,
     pub verification: Verification,
@@ -334,6 +401,41 @@ pub struct ReportInput<'a> {
     pub produced: ProduceStats,
     pub sink: SinkStats,
     pub verification: Verification,
+}
+
+/// `12.34 s` of CPU per million `events`, or `-` without events.
+pub fn cpu_per_million(cpu_secs: f64, events: u64) -> String {
+    if events == 0 {
+        return "-".to_owned();
+    }
+    format!("{:.2} s", cpu_secs * 1e6 / events as f64)
+}
+
+/// Commit-to-sink latency (`created_at` to first receipt) of the rows with
+/// an id above `after`.
+pub fn latency_after(rows: &[OutboxRow], records: &[Record], after: i64) -> LatencySummary {
+    let created: HashMap<i64, i64> = rows
+        .iter()
+        .filter(|r| r.id > after)
+        .map(|r| (r.id, r.created_at_us))
+        .collect();
+    let mut first: HashMap<i64, i64> = HashMap::with_capacity(created.len());
+    for (id, at) in records
+        .iter()
+        .filter_map(|r| r.outbox_id.map(|id| (id, r.received_at_us)))
+    {
+        if created.contains_key(&id) {
+            first
+                .entry(id)
+                .and_modify(|t| *t = (*t).min(at))
+                .or_insert(at);
+        }
+    }
+    let mut h = new_histogram();
+    for (id, received) in &first {
+        record_clamped(&mut h, (received - created[id]).max(0) as u64);
+    }
+    LatencySummary::from_histogram(&h)
 }
 
 impl Report {
@@ -421,7 +523,10 @@ impl Report {
             replica_metrics: Vec::new(),
             vacuum: None,
             adversarial: None,
+            relay_faults: None,
+            load_latency: None,
             destination: None,
+            environment: None,
             passed: failures.is_empty(),
             failures,
             verification: input.verification,
@@ -455,7 +560,22 @@ impl Report {
             ("latency p99", ms(self.latency.p99_us)),
             ("latency p99.9", ms(self.latency.p999_us)),
             ("latency max", ms(self.latency.max_us)),
+        ];
+        if let Some(l) = &self.load_latency {
+            rows.extend([
+                ("load events (after the preload)", l.count.to_string()),
+                ("load latency p50", ms(l.p50_us)),
+                ("load latency p90", ms(l.p90_us)),
+                ("load latency p99", ms(l.p99_us)),
+                ("load latency max", ms(l.max_us)),
+            ]);
+        }
+        rows.extend([
             ("relay CPU", format!("{:.2} s", self.relay.cpu_secs)),
+            (
+                "relay CPU per 1M events",
+                cpu_per_million(self.relay.cpu_secs, self.delivered),
+            ),
             (
                 "relay peak RSS",
                 format!("{:.1} MiB", self.relay.peak_rss_kib as f64 / 1024.0),
@@ -511,7 +631,20 @@ impl Report {
                             .sum::<u64>()
                 ),
             ),
-        ];
+        ]);
+        if let Some(e) = &self.environment {
+            rows.push(("database server", e.server.describe()));
+            rows.push((
+                "sink",
+                match e.sink_cpu_secs {
+                    Some(cpu) if e.sink_own_process => {
+                        format!("its own process, {cpu:.2} s CPU")
+                    }
+                    _ => "in the harness's process".to_owned(),
+                },
+            ));
+            rows.push(("machine", e.machine.describe()));
+        }
         if let Some(d) = &self.destination {
             rows.push((
                 "destination calls",
@@ -614,6 +747,9 @@ impl Report {
         }
         if let Some(a) = &self.adversarial {
             adversarial_rows(&mut rows, a, &self.sink.adversarial);
+        }
+        if let Some(r) = &self.relay_faults {
+            relay_fault_rows(&mut rows, r);
         }
         let width = rows
             .iter()

@@ -13,7 +13,10 @@
 //!    `relay.log` / `relay-<i>.log`), sampled from `/proc`;
 //! 6. producers (steady, chaos, poison), and for chaos the loop that kills and
 //!    restarts random replicas, pauses (SIGSTOP) and continues them, and runs
-//!    `pg_terminate_backend`, while they run;
+//!    `pg_terminate_backend`, while they run; with `[relay_faults]`
+//!    ([`crate::relay_faults`]) the relays reach the database through a
+//!    proxy that blackholes their connections when told, and a second relay
+//!    starts under replica 0's `relay.replica_id`;
 //! 7. wait until the outbox has no pending row (bounded by `drain_timeout`);
 //!    with `hold_snapshot`, a transaction holding vacuum back stays open from
 //!    before the relays start until then;
@@ -35,14 +38,18 @@ use rand::{Rng, SeedableRng};
 use tokio::sync::{watch, Mutex};
 
 use crate::adversarial::{self, ProgressSample};
+use crate::environment::{MachineSnapshot, MachineState, RunEnvironment, ServerSettings};
 use crate::metrics::ReplicaMetrics;
 use crate::procstat::UsageTracker;
 use crate::producer::{self, ProduceProgress, ProduceStats, APPLICATION_NAME};
-use crate::report::{ChaosStats, DeadTuplePoint, Report, ReportInput, VacuumReport};
+use crate::relay_faults::{self, Twin};
+use crate::report::{latency_after, ChaosStats, DeadTuplePoint, Report, ReportInput, VacuumReport};
 use crate::scenario::{
     replica_config_toml, ChaosSpec, ReplicaPorts, Scenario, ScenarioKind, VacuumWatchSpec,
 };
+use crate::sink_process::{RunSink, SinkProcess, SinkResult};
 use crate::verify::{load_rows, verify, verify_rows, VerifyOptions};
+use outbox_testkit::proxy::Proxy;
 use outbox_testkit::relay::{Output, RelayCommand, RelayError, RelayProcess, RelayProgram};
 use outbox_testkit::sink::{check_order, Destination, Sink, SinkConfig};
 
@@ -80,6 +87,14 @@ pub struct RunOptions {
     pub progress: bool,
     /// The relay must exit within this long of SIGTERM.
     pub relay_stop_timeout: Duration,
+    /// A throwaway cluster with fsync, synchronous_commit and
+    /// full_page_writes off even for a performance scenario (a labelled extra).
+    pub fsync_off: bool,
+    /// The `loadtest` binary that runs the sink in its own process; the sink
+    /// runs in this process when `None`.
+    pub sink_bin: Option<PathBuf>,
+    /// What the server given is, for the report (e.g. the comparison's own cluster).
+    pub server_label: Option<String>,
 }
 
 impl RunOptions {
@@ -94,6 +109,9 @@ impl RunOptions {
             keep_database: false,
             progress: true,
             relay_stop_timeout: Duration::from_secs(30),
+            fsync_off: false,
+            sink_bin: crate::sink_process::locate_sink_bin(),
+            server_label: None,
         }
     }
 }
@@ -107,15 +125,21 @@ pub struct RunDatabase {
 }
 
 impl RunDatabase {
-    /// A fresh, empty database on `server_url`, or on a new throwaway cluster.
-    pub async fn create(server_url: Option<&str>) -> Result<RunDatabase, RunError> {
+    /// A fresh, empty database on `server_url`, or on a new throwaway
+    /// cluster started with `cluster`.
+    pub async fn create(
+        server_url: Option<&str>,
+        cluster: outbox_testkit::ClusterOptions,
+    ) -> Result<RunDatabase, RunError> {
         let (server_url, cluster) = match server_url {
             Some(url) => (url.to_owned(), None),
             None => {
-                let cluster = tokio::task::spawn_blocking(outbox_testkit::ThrowawayCluster::start)
-                    .await
-                    .map_err(|e| setup("throwaway cluster")(&e))?
-                    .map_err(|e| setup("throwaway cluster")(&e))?;
+                let cluster = tokio::task::spawn_blocking(move || {
+                    outbox_testkit::ThrowawayCluster::start_with(cluster)
+                })
+                .await
+                .map_err(|e| setup("throwaway cluster")(&e))?
+                .map_err(|e| setup("throwaway cluster")(&e))?;
                 (cluster.url(), Some(cluster))
             }
         };
@@ -133,6 +157,18 @@ impl RunDatabase {
             server_url,
             cluster,
         })
+    }
+
+    /// Its server's durability settings, and what the server is: `label`,
+    /// else whether we started it.
+    pub async fn server_settings(&self, label: Option<&str>) -> Result<ServerSettings, RunError> {
+        let client = producer::connect(&self.url).await?;
+        let source = match (label, &self.cluster) {
+            (Some(label), _) => label,
+            (None, Some(_)) => "a throwaway cluster of the run's own",
+            (None, None) => "the server given (DATABASE_URL)",
+        };
+        Ok(ServerSettings::read(&client, source).await?)
     }
 
     /// Drops the database (and stops our cluster, if any).
@@ -192,6 +228,9 @@ fn free_ports(n: usize) -> std::io::Result<Vec<u16>> {
 /// that often took PostgreSQL time from the relay it measures.
 const ANY_PENDING: &str =
     "SELECT EXISTS (SELECT 1 FROM outbox WHERE published_at IS NULL AND dead_lettered_at IS NULL)";
+/// The highest id in the outbox (0 when empty).
+const LAST_ID: &str = "SELECT coalesce(max(id), 0) FROM outbox";
+
 const DEAD_TUPLES: &str =
     "SELECT coalesce(max(n_dead_tup), 0) FROM pg_stat_user_tables WHERE relname = 'outbox'";
 const TABLE_STATS: &str = "SELECT coalesce(max(n_dead_tup), 0), coalesce(max(n_live_tup), 0),
@@ -261,9 +300,11 @@ async fn watch_dead_tuples(
     }
 }
 
-/// Samples settled and pending rows every [`adversarial::SAMPLE_EVERY`] until `stop`.
+/// Samples settled and pending rows of each route every
+/// [`adversarial::SAMPLE_EVERY`] until `stop`.
 fn sample_progress(
     client: tokio_postgres::Client,
+    query: String,
     samples: Arc<StdMutex<Vec<ProgressSample>>>,
     mut stop: watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
@@ -274,12 +315,12 @@ fn sample_progress(
                 _ = tick.tick() => {}
                 _ = stop.wait_for(|s| *s) => break,
             }
-            match client.query_one(adversarial::PROGRESS, &[]).await {
-                Ok(row) => samples.lock().expect("samples lock").push(ProgressSample {
-                    at_us: now_us(),
-                    settled: row.get(0),
-                    pending: row.get(1),
-                }),
+            match client.query(&query, &[]).await {
+                Ok(rows) => {
+                    let routes = rows.iter().map(|r| (r.get(0), r.get(1), r.get(2)));
+                    let sample = crate::progress::sample(now_us(), routes);
+                    samples.lock().expect("samples lock").push(sample);
+                }
                 Err(e) => tracing::warn!(error = %e, "progress sample"),
             }
         }
@@ -334,7 +375,11 @@ pub fn replica_file_name(stem: &str, ext: &str, replica: u32, replicas: u32) -> 
 pub async fn run_scenario(scenario: &Scenario, opts: &RunOptions) -> Result<Report, RunError> {
     scenario.validate()?;
     std::fs::create_dir_all(&opts.out_dir)?;
-    let db = RunDatabase::create(opts.database_url.as_deref()).await?;
+    let db = RunDatabase::create(
+        opts.database_url.as_deref(),
+        scenario.cluster_options(opts.fsync_off),
+    )
+    .await?;
     let result = run_on(scenario, opts, &db).await;
     if opts.keep_database {
         eprintln!("database kept: {}", db.url);
@@ -351,6 +396,7 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
         &uuid::Uuid::new_v4().simple().to_string()[..8]
     );
     let admin = producer::connect(&db.url).await?;
+    let server = db.server_settings(opts.server_label.as_deref()).await?;
 
     // Delivery mode: the final destination the sink delivers to.
     let destination = match &s.sink.delivery {
@@ -361,18 +407,37 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
         ),
         None => None,
     };
-    let sink = Sink::start(SinkConfig {
-        dedup_window: s.sink.dedup_window,
-        faults: s.sink.faults.clone(),
-        delivery: s.sink.delivery.as_ref().map(|d| d.delivery()),
-        ..SinkConfig::default()
-    })
-    .await
-    .map_err(|e| setup("sink")(&e))?;
+    let sink = match (&opts.sink_bin, s.sink_in_own_process()) {
+        (Some(bin), true) => RunSink::Process(Box::new(
+            SinkProcess::start(bin, s.sink.dedup_window, &opts.out_dir.join("sink.log")).await?,
+        )),
+        _ => RunSink::InProcess(
+            Sink::start(SinkConfig {
+                dedup_window: s.sink.dedup_window,
+                faults: s.sink.faults.clone(),
+                delivery: s.sink.delivery.as_ref().map(|d| d.delivery()),
+                ..SinkConfig::default()
+            })
+            .await
+            .map_err(|e| setup("sink")(&e))?,
+        ),
+    };
     let route_destination = match &destination {
         Some(d) => format!("{}/events", d.url()),
         None => format!("{}/hook", sink.url()),
     };
+    let faults = s.relay_faults.clone().unwrap_or_default();
+    let proxy = if faults.needs_proxy() {
+        let p = Proxy::in_front_of(&db.url)
+            .await
+            .map_err(|e| setup("database proxy")(&e))?;
+        Some(Arc::new(p))
+    } else {
+        None
+    };
+    let relay_db_url = proxy
+        .as_ref()
+        .map_or_else(|| db.url.clone(), |p| p.url().to_owned());
     let mut replicas = Vec::with_capacity(s.replicas as usize);
     let mut lease = Duration::ZERO;
     let callback_ports = if s.takes_callbacks() {
@@ -383,10 +448,10 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
     } else {
         vec![None; s.replicas as usize]
     };
-    for ((i, port), callback) in (0..s.replicas)
-        .zip(free_ports(s.replicas as usize)?)
-        .zip(callback_ports)
-    {
+    // One more metrics port than replicas, for a twin.
+    let mut metrics_ports = free_ports(s.replicas as usize + 1)?;
+    let twin_port = metrics_ports.pop().expect("one port more");
+    for ((i, port), callback) in (0..s.replicas).zip(metrics_ports).zip(callback_ports) {
         let config = opts
             .out_dir
             .join(replica_file_name("relay", "toml", i, s.replicas));
@@ -394,7 +459,7 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
             metrics: port,
             callback,
         };
-        let text = replica_config_toml(s, sink.addr().port(), &route_destination, ports, i)?;
+        let text = replica_config_toml(s, sink.port(), &route_destination, ports, i)?;
         let parsed: outbox_relay::Config =
             toml::from_str(&text).map_err(|e| setup("relay config")(&e))?;
         lease = lease.max(parsed.relay.lease);
@@ -403,7 +468,7 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
             .out_dir
             .join(replica_file_name("relay", "log", i, s.replicas));
         let cmd = RelayCommand::new(&opts.relay, config)
-            .env("DATABASE_URL", &db.url)
+            .env("DATABASE_URL", &relay_db_url)
             .env("QSTASH_URL", sink.url())
             .env("QSTASH_TOKEN", sink.token())
             .output(Output::Append(log.clone()), Output::Append(log));
@@ -417,14 +482,28 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
     }
     let replicas = Arc::new(replicas);
     replicas[0].cmd.migrate().await?;
+    let twin = match faults.twin {
+        Some(_) => {
+            let ports = ReplicaPorts {
+                metrics: twin_port,
+                callback: None,
+            };
+            let text = replica_config_toml(s, sink.port(), &route_destination, ports, 0)?;
+            let config = opts.out_dir.join("relay-twin.toml");
+            std::fs::write(&config, text)?;
+            let log = opts.out_dir.join("relay-twin.log");
+            let cmd = RelayCommand::new(&opts.relay, config)
+                .env("DATABASE_URL", &relay_db_url)
+                .env("QSTASH_URL", sink.url())
+                .env("QSTASH_TOKEN", sink.token())
+                .output(Output::Append(log.clone()), Output::Append(log.clone()));
+            Some(Twin { cmd, log })
+        }
+        None => None,
+    };
 
     let bar = if opts.progress {
-        let expected = s.preload.as_ref().map_or(0, |p| p.events)
-            + s.load.as_ref().map_or(0, |l| {
-                l.max_events
-                    .unwrap_or(u64::MAX)
-                    .min(l.rate.map_or(0, |r| (r * l.duration.as_secs_f64()) as u64))
-            });
+        let expected = s.expected_events();
         let bar = ProgressBar::new(expected.max(1));
         bar.set_style(
             ProgressStyle::with_template(
@@ -439,9 +518,14 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
 
     let progress = Arc::new(ProduceProgress::default());
     let mut produced = ProduceStats::default();
+    // The preload's last id, when a load follows it: the load's events are
+    // the rows after it.
+    let mut preloaded_through: Option<i64> = None;
     if let Some(p) = &s.preload {
         bar.set_message("preloading");
         produced = producer::preload(&db.url, p, &run_tag, Some(Arc::clone(&progress))).await?;
+        let client = producer::connect(&db.url).await?;
+        preloaded_through = Some(client.query_one(LAST_ID, &[]).await?.get(0));
     }
 
     // Opened before the relays start: nothing they write can be vacuumed away
@@ -456,6 +540,7 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
     let watch_vacuum = s.hold_snapshot || s.vacuum_watch.is_some();
 
     // The relays, their /proc sampler and the progress ticker.
+    let machine_before = MachineSnapshot::take();
     let origin_us = now_us();
     for r in replicas.iter() {
         r.start().await?;
@@ -503,6 +588,7 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
         let client = producer::connect(&db.url).await?;
         Some(sample_progress(
             client,
+            crate::progress::progress_query(s.second_route.as_ref()),
             Arc::clone(&progress_samples),
             stop_rx.clone(),
         ))
@@ -522,10 +608,23 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
     };
 
     let mut failures = Vec::new();
+    let mut twin = twin;
+    let mut relay_faults_task = None;
     if let Some(load) = &s.load {
         bar.set_message("producing");
         // The outage schedule counts from the start of the load.
-        sink.start_outages();
+        if let Some(h) = sink.in_process() {
+            h.start_outages();
+        }
+        if faults != Default::default() {
+            relay_faults_task = Some(tokio::spawn(relay_faults::play(
+                faults.clone(),
+                proxy.clone(),
+                twin.take(),
+                Instant::now(),
+                origin_us,
+            )));
+        }
         let producing = producer::produce(
             &db.url,
             load,
@@ -586,12 +685,22 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
         }
     }
     bar.finish_and_clear();
+    let mut own_pids: Vec<u32> = replicas
+        .iter()
+        .map(|r| r.pid.load(Ordering::Relaxed))
+        .collect();
+    own_pids.extend(sink.pid());
+    let machine = MachineState::between(&machine_before, &MachineSnapshot::take(), &own_pids);
     let drain_end = Instant::now();
     let drain_end_secs = (now_us() - origin_us).max(0) as f64 / 1e6;
     if let Some(held) = held {
         held.batch_execute("COMMIT").await?;
     }
 
+    let mut relay_faults_report = match relay_faults_task {
+        Some(task) => Some(task.await.map_err(|e| setup("relay faults task")(&e))?),
+        None => None,
+    };
     stop_tx.send_replace(true);
     let _ = sampler.await;
     if let Some(task) = progress_sampler {
@@ -660,8 +769,8 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
 
     // Delivery mode: the deliveries (and their retries) still under way end
     // before the destination is checked.
-    let destination_report = match (&destination, &s.sink.delivery) {
-        (Some(dest), Some(spec)) => {
+    let destination_report = match (&destination, &s.sink.delivery, sink.in_process()) {
+        (Some(dest), Some(spec), Some(sink)) => {
             let fresh = sink.records().iter().filter(|r| !r.deduplicated).count();
             if !sink.wait_for_deliveries(fresh, spec.settle_timeout).await {
                 failures.push(format!(
@@ -689,11 +798,15 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
         }
         _ => None,
     };
-    let records = sink.records();
-    let sink_stats = sink.stats();
-    let answers = sink.answers();
-    let outages = sink.outages();
-    sink.stop().await;
+    let sink_port = sink.port();
+    let sink_own_process = sink.pid().is_some();
+    let SinkResult {
+        records,
+        stats: sink_stats,
+        answers,
+        outages,
+        cpu_secs: sink_cpu_secs,
+    } = sink.finish().await?;
     if let Some(dest) = destination {
         dest.stop().await;
     }
@@ -702,6 +815,12 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
         poison_ids: s.sink.faults.poison_ids.clone(),
         poison_marker: s.sink.faults.poison_marker,
         may_dead_letter: Default::default(),
+        unordered_destinations: s
+            .second_route
+            .iter()
+            .filter(|r| !r.ordering.per_key())
+            .map(|r| r.destination(sink_port))
+            .collect(),
     };
     let (verification, rows, adversarial_report) = if adversarial {
         let rows = load_rows(&admin).await?;
@@ -712,6 +831,11 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
             .map(|r| (r.get(0), r.get(1)))
             .collect();
         let samples = std::mem::take(&mut *progress_samples.lock().expect("samples lock"));
+        if let Some(r) = relay_faults_report.as_mut() {
+            for b in &mut r.blackholes {
+                b.resumed_after_secs = crate::progress::resumed_after(&samples, b.at_us);
+            }
+        }
         let checked = adversarial::check(&adversarial::CheckInput {
             rows: &rows,
             dead_lettered_at: &dead_lettered_at,
@@ -746,12 +870,25 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
     });
     report.chaos = chaos_stats;
     report.replicas = s.replicas;
+    if s.load.is_some() {
+        report.load_latency = preloaded_through.map(|after| latency_after(&rows, &records, after));
+    }
     report.replica_metrics = replica_metrics;
     report.vacuum = vacuum;
     report.destination = destination_report;
+    report.environment = Some(RunEnvironment {
+        server,
+        sink_own_process,
+        sink_cpu_secs,
+        machine,
+    });
     if let Some(a) = adversarial_report {
         failures.extend(a.failures());
         report.adversarial = Some(a);
+    }
+    if let Some(r) = relay_faults_report {
+        failures.extend(r.failures());
+        report.relay_faults = Some(r);
     }
     if !failures.is_empty() {
         report.failures.extend(failures);

@@ -5,6 +5,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use outbox_relay::config::Ordering;
+use outbox_relay::config::SinkKind;
 use serde::{Deserialize, Serialize};
 
 use crate::producer::{LoadSpec, PreloadSpec};
@@ -284,9 +285,76 @@ pub struct Scenario {
     /// Give up waiting for the outbox to empty after this long.
     #[serde(default = "default_drain_timeout", with = "humantime_serde")]
     pub drain_timeout: Duration,
+    /// A second route beside the main one (`[second_route]`).
+    #[serde(default)]
+    pub second_route: Option<SecondRoute>,
+    /// Faults done to the relay itself (`[relay_faults]`): its database
+    /// connections blackholed, a second relay under one `relay.replica_id`.
+    #[serde(default)]
+    pub relay_faults: Option<crate::relay_faults::RelayFaultsSpec>,
     /// Merged over the generated relay config, e.g. `[relay_config.relay] claim_batch = 1000`.
     #[serde(default)]
     pub relay_config: toml::Table,
+    /// The relay under test: outbox-relay, or the seed article's
+    /// (`loadtest/baseline/`, a drain only).
+    #[serde(default)]
+    pub relay: RelayUnderTest,
+    /// The throwaway cluster the run starts when no server is given (`[cluster]`).
+    #[serde(default)]
+    pub cluster: ClusterSpec,
+    /// What the main route publishes to: QStash through the sink (default), or
+    /// the sink's `/hook` as a webhook destination (`sink = "webhook"`).
+    #[serde(default)]
+    pub route_sink: SinkKind,
+}
+
+/// `[cluster]`: the throwaway cluster of a run without a database URL.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClusterSpec {
+    /// fsync, synchronous_commit, full_page_writes and autovacuum on, as a
+    /// user's server runs. Default: on for the performance kinds (drain,
+    /// steady), off for the others (chaos, poison, adversarial), which test
+    /// correctness and need speed.
+    pub durable: Option<bool>,
+    /// `shared_buffers`; default sized for the data: 1 MiB per 1,000 events
+    /// preloaded or produced, 256MB to 2GB.
+    pub shared_buffers: Option<String>,
+    /// More `name=value` server settings.
+    pub settings: Vec<String>,
+}
+
+/// Which relay a scenario runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RelayUnderTest {
+    #[default]
+    OutboxRelay,
+    /// The seed article's TypeScript relay (`crate::baseline`).
+    Seed,
+}
+
+/// A second QStash route, listed before the main `event_type = "*"` route
+/// (the first match wins), to its own destination path on the sink, so the
+/// sink's outages can take one route down (`route = "<path>"`) while the
+/// other keeps flowing.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SecondRoute {
+    /// `prefix.*` or an exact type among the producer's (`order.placed`,
+    /// `order.paid`, `order.shipped`, `invoice.issued`).
+    pub event_type: String,
+    /// Its destination's path on the sink, under `/hook/`.
+    pub path: String,
+    #[serde(default)]
+    pub ordering: Ordering,
+}
+
+impl SecondRoute {
+    /// Its destination URL on the sink listening on `sink_port`.
+    pub fn destination(&self, sink_port: u16) -> String {
+        format!("http://127.0.0.1:{sink_port}{}", self.path)
+    }
 }
 
 fn default_replicas() -> u32 {
@@ -345,6 +413,11 @@ impl Scenario {
             name: self.name.clone(),
             message,
         };
+        if self.relay == RelayUnderTest::Seed && self.kind != ScenarioKind::Drain {
+            return Err(invalid(
+                "`relay = \"seed\"` runs a drain only: set kind = \"drain\"".into(),
+            ));
+        }
         match self.kind {
             ScenarioKind::Drain if self.preload.is_none() => {
                 return Err(invalid("a drain scenario needs [preload]".into()))
@@ -398,6 +471,22 @@ impl Scenario {
                 "replicas: need 1 <= replicas <= {MAX_REPLICAS}"
             )));
         }
+        if let Some(r) = &self.second_route {
+            if !r.path.starts_with("/hook/") {
+                return Err(invalid(format!(
+                    "second_route.path: `{}` must start with /hook/ (the sink's webhook paths)",
+                    r.path
+                )));
+            }
+            if r.ordering == Ordering::PartitionKey {
+                return Err(invalid(
+                    "second_route.ordering: \"partition_key\" needs callbacks; use \"partition_key_to_qstash\" or \"none\"".into(),
+                ));
+            }
+        }
+        if let Some(f) = &self.relay_faults {
+            f.validate(&self.relay_config).map_err(invalid)?;
+        }
         self.sink.faults.validate().map_err(invalid)?;
         if let Some(d) = &self.sink.delivery {
             d.validate().map_err(invalid)?;
@@ -412,6 +501,50 @@ impl Scenario {
 
     pub fn ordered(&self) -> bool {
         self.ordering.per_key()
+    }
+
+    /// A performance scenario (drain, steady): its figures are what users
+    /// compare, so its cluster is durable and its sink runs in a process of
+    /// its own unless the scenario needs the sink's in-process features.
+    pub fn is_performance(&self) -> bool {
+        matches!(self.kind, ScenarioKind::Drain | ScenarioKind::Steady)
+    }
+
+    /// Events preloaded plus those the load produces at most.
+    pub fn expected_events(&self) -> u64 {
+        self.preload.as_ref().map_or(0, |p| p.events)
+            + self.load.as_ref().map_or(0, |l| {
+                l.max_events
+                    .unwrap_or(u64::MAX)
+                    .min(l.rate.map_or(0, |r| (r * l.duration.as_secs_f64()) as u64))
+            })
+    }
+
+    /// The throwaway cluster's settings; `fsync_off` forces the fast,
+    /// non-durable settings (a labelled extra, never the headline figure).
+    pub fn cluster_options(&self, fsync_off: bool) -> outbox_testkit::ClusterOptions {
+        let mib = (self.expected_events() / 1000).clamp(256, 2048);
+        outbox_testkit::ClusterOptions {
+            durable: !fsync_off && self.cluster.durable.unwrap_or(self.is_performance()),
+            shared_buffers: Some(
+                self.cluster
+                    .shared_buffers
+                    .clone()
+                    .unwrap_or_else(|| format!("{mib}MB")),
+            ),
+            settings: self.cluster.settings.clone(),
+            ..outbox_testkit::ClusterOptions::default()
+        }
+    }
+
+    /// Does the sink run in a process of its own? For performance scenarios
+    /// whose sink needs nothing but counting: no faults, no delivery (the
+    /// in-process sink's outage schedule, answers and deliveries are read
+    /// by the harness while it runs).
+    pub fn sink_in_own_process(&self) -> bool {
+        self.is_performance()
+            && self.sink.delivery.is_none()
+            && self.sink.faults == FaultConfig::default()
     }
 }
 
@@ -447,9 +580,13 @@ impl Scenario {
     /// Does the route hold each key until QStash's callback (and so need a
     /// callback listener per replica)?
     pub fn takes_callbacks(&self) -> bool {
-        self.ordering == Ordering::PartitionKey
+        self.ordering == Ordering::PartitionKey && self.route_sink == SinkKind::Qstash
     }
 }
+
+/// The webhook route's signing secret (Standard Webhooks `whsec_` + base64):
+/// the sink does not verify it.
+const WEBHOOK_SECRET: &str = "whsec_bG9hZHRlc3Qtd2ViaG9vay1zZWNyZXQ=";
 
 /// [`relay_config_toml`] for replica `replica` (0-based) of the run: every
 /// `{replica}` in a string value of the scenario's `relay_config` becomes the
@@ -491,7 +628,15 @@ pub fn replica_config_toml(
         .expect("a struct serializes to a table");
     let mut route = toml::Table::new();
     route.insert("event_type".into(), "*".into());
-    route.insert("sink".into(), "qstash".into());
+    match scenario.route_sink {
+        SinkKind::Qstash => {
+            route.insert("sink".into(), "qstash".into());
+        }
+        SinkKind::Webhook => {
+            route.insert("sink".into(), "webhook".into());
+            route.insert("signing_secret".into(), WEBHOOK_SECRET.into());
+        }
+    }
     route.insert("destination".into(), destination.into());
     let ordering = toml::Value::try_from(scenario.ordering).map_err(|e| err(&e))?;
     route.insert("ordering".into(), ordering);
@@ -504,7 +649,23 @@ pub fn replica_config_toml(
         // costs this long before the event is sent again.
         route.insert("callback_timeout".into(), "20s".into());
     }
-    table.insert("routes".into(), toml::Value::Array(vec![route.into()]));
+    let mut routes = Vec::new();
+    if let Some(second) = &scenario.second_route {
+        let mut r = toml::Table::new();
+        r.insert("event_type".into(), second.event_type.as_str().into());
+        r.insert("sink".into(), "qstash".into());
+        r.insert("destination".into(), second.destination(sink_port).into());
+        r.insert(
+            "ordering".into(),
+            toml::Value::try_from(second.ordering).map_err(|e| err(&e))?,
+        );
+        if second.ordering.per_key() {
+            r.insert("parallelism".into(), 1.into());
+        }
+        routes.push(r.into());
+    }
+    routes.push(route.into());
+    table.insert("routes".into(), toml::Value::Array(routes));
     if scenario.takes_callbacks() {
         // Written as text: the config's own serialisation prints secrets
         // redacted, which would leave the relay verifying with "<redacted>".
@@ -518,6 +679,12 @@ pub fn replica_config_toml(
     let mut overrides = scenario.relay_config.clone();
     substitute_replica(&mut overrides, replica);
     merge(table, &overrides);
+    // Only what differs from the defaults: a relay built from an older
+    // commit (a side-by-side run's `before`) refuses keys it does not know.
+    let defaults = toml::Value::try_from(outbox_relay::Config::default()).map_err(|e| err(&e))?;
+    if let Some(defaults) = defaults.as_table() {
+        prune_defaults(table, defaults);
+    }
     let text = toml::to_string_pretty(&value).map_err(|e| err(&e))?;
     // Check it the way the relay will, with the secrets it gets from the environment.
     let mut check: outbox_relay::Config = toml::from_str(&text).map_err(|e| err(&e))?;
@@ -544,6 +711,19 @@ fn substitute_replica(table: &mut toml::Table, replica: u32) {
     }
     let replica = replica.to_string();
     table.iter_mut().for_each(|(_, v)| walk(v, &replica));
+}
+
+/// Removes every key of `table` whose value equals `defaults`' (tables key
+/// by key; a table left empty goes too).
+fn prune_defaults(table: &mut toml::Table, defaults: &toml::Table) {
+    table.retain(|k, v| match (v, defaults.get(k)) {
+        (toml::Value::Table(t), Some(toml::Value::Table(d))) => {
+            prune_defaults(t, d);
+            !t.is_empty()
+        }
+        (v, Some(d)) => v != d,
+        (_, None) => true,
+    });
 }
 
 /// Deep merge: tables merge key by key, anything else is replaced.
@@ -574,6 +754,27 @@ claim_batch = 50
 [relay_config.qstash]
 mode = "single"
 "#;
+
+    #[test]
+    fn a_second_route_comes_first_to_its_own_path() {
+        let text = format!(
+            "{ORDERED}\n[second_route]\nevent_type = \"invoice.*\"\npath = \"/hook/invoices\"\n"
+        );
+        let s = Scenario::from_toml_str(&text).unwrap();
+        let c: outbox_relay::Config =
+            toml::from_str(&relay_config_toml(&s, 4321, 4322).unwrap()).unwrap();
+        assert_eq!(c.routes.len(), 2);
+        assert_eq!(c.routes[0].event_type.to_string(), "invoice.*");
+        assert_eq!(
+            c.routes[0].destination.as_str(),
+            "http://127.0.0.1:4321/hook/invoices"
+        );
+        assert_eq!(c.routes[0].ordering, Ordering::None);
+        assert_eq!(c.routes[1].ordering, Ordering::PartitionKeyToQstash);
+        let bad = text.replace("/hook/invoices", "/elsewhere");
+        let e = Scenario::from_toml_str(&bad).unwrap_err().to_string();
+        assert!(e.contains("second_route.path"), "{e}");
+    }
 
     #[test]
     fn generated_relay_config_has_the_route_and_overrides() {
@@ -713,6 +914,63 @@ current_signing_key = "sig-replica-{replica}"
                 Some(format!("127.0.0.1:{}", 4330 + replica).as_str())
             );
         }
+    }
+
+    #[test]
+    fn performance_scenarios_get_a_durable_cluster_sized_for_their_data() {
+        // steady, 100 events/s for 2 s: a performance scenario.
+        let steady = Scenario::from_toml_str(ORDERED).unwrap();
+        let o = steady.cluster_options(false);
+        assert!(o.durable);
+        assert_eq!(o.shared_buffers.as_deref(), Some("256MB"));
+        assert!(
+            o.server_settings().contains("-c fsync=on"),
+            "{}",
+            o.server_settings()
+        );
+        assert!(o.server_settings().contains("-c autovacuum=on"));
+        // --fsync-off: the fast settings, whatever the scenario says.
+        let fast = steady.cluster_options(true);
+        assert!(!fast.durable);
+        assert!(fast.server_settings().contains("-c fsync=off"));
+        // Correctness scenarios keep the fast settings unless they ask.
+        let chaos = Scenario::from_toml_str(CHAOS).unwrap();
+        assert!(!chaos.cluster_options(false).durable);
+        let asked = format!("{CHAOS}\n[cluster]\ndurable = true\nsettings = [\"work_mem=8MB\"]\n");
+        let asked = Scenario::from_toml_str(&asked)
+            .unwrap()
+            .cluster_options(false);
+        assert!(asked.durable);
+        assert!(asked.server_settings().ends_with(" -c work_mem=8MB"));
+        // 1 MiB per 1,000 events, up to 2GB.
+        let big = ORDERED
+            .replace("rate = 100.0", "rate = 300000.0")
+            .replace("\"2s\"", "\"1s\"");
+        let big = Scenario::from_toml_str(&big).unwrap();
+        assert_eq!(
+            big.cluster_options(false).shared_buffers.as_deref(),
+            Some("300MB")
+        );
+        let huge = ORDERED.replace("\"2s\"", "\"100000s\"");
+        let huge = Scenario::from_toml_str(&huge).unwrap();
+        assert_eq!(
+            huge.cluster_options(false).shared_buffers.as_deref(),
+            Some("2048MB")
+        );
+    }
+
+    #[test]
+    fn the_generated_config_names_only_what_differs_from_the_defaults() {
+        let s = Scenario::from_toml_str(ORDERED).unwrap();
+        let text = relay_config_toml(&s, 4321, 4322).unwrap();
+        let c: toml::Table = toml::from_str(&text).unwrap();
+        // An older relay refuses keys it does not know: none of the
+        // defaults is written, only the route, the ports and the overrides.
+        assert!(c.get("database").is_none(), "{text}");
+        assert_eq!(c["relay"].as_table().unwrap().len(), 1, "{text}");
+        assert_eq!(c["relay"]["claim_batch"].as_integer(), Some(50));
+        assert_eq!(c["server"]["metrics_bind"].as_str(), Some("127.0.0.1:4322"));
+        assert_eq!(c["routes"].as_array().unwrap().len(), 1);
     }
 
     #[test]

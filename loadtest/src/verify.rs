@@ -86,6 +86,11 @@ pub struct VerifyOptions {
     /// adversarial scenario's justified dead letters.
     #[serde(default)]
     pub may_dead_letter: BTreeSet<i64>,
+    /// Destinations of unordered routes beside an ordered one: their
+    /// receipts are not order-checked. Order is checked per destination
+    /// (per route) and partition key.
+    #[serde(default)]
+    pub unordered_destinations: BTreeSet<String>,
 }
 
 /// A receipt whose deduplication id is not its row's idempotency key.
@@ -250,7 +255,7 @@ pub fn verify_rows(rows: &[OutboxRow], records: &[Record], opts: &VerifyOptions)
     sorted.sort_by_key(|r| r.seq);
     let mut receipts: HashMap<i64, u64> = HashMap::with_capacity(rows.len());
     // Per key: the highest id first-received so far.
-    let mut key_high: HashMap<&str, i64> = HashMap::new();
+    let mut key_high: HashMap<(&str, &str), i64> = HashMap::new();
     let mut poison_accepted = BTreeSet::new();
     for rec in sorted {
         let Some(row) = rec.outbox_id.and_then(|id| by_id.get(&id)) else {
@@ -277,8 +282,10 @@ pub fn verify_rows(rows: &[OutboxRow], records: &[Record], opts: &VerifyOptions)
         if is_poison(row) {
             poison_accepted.insert(row.id);
         }
-        if opts.ordered && !duplicate {
-            let high = key_high.entry(row.partition_key.as_str()).or_insert(row.id);
+        if opts.ordered && !duplicate && !opts.unordered_destinations.contains(&rec.destination) {
+            let high = key_high
+                .entry((rec.destination.as_str(), row.partition_key.as_str()))
+                .or_insert(row.id);
             if row.id < *high {
                 v.order_violations.push(OrderViolation {
                     partition_key: row.partition_key.clone(),

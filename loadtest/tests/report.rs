@@ -1,6 +1,6 @@
 //! Report math on known samples.
 
-use loadtest::report::{LatencySummary, Report, ReportInput};
+use loadtest::report::{latency_after, LatencySummary, Report, ReportInput};
 use loadtest::verify::{verify_rows, OutboxRow, VerifyOptions};
 use outbox_testkit::sink::Record;
 
@@ -131,4 +131,26 @@ fn throughput_series_and_latency_from_first_receipts() {
     let back: Report =
         serde_json::from_slice(&std::fs::read(dir.path().join("r.json")).unwrap()).unwrap();
     assert_eq!(back, report);
+}
+
+/// A load over a preload: the load's latency is that of the rows after the
+/// preload's last id alone, each at its first receipt.
+#[test]
+fn the_load_latency_leaves_the_preload_out() {
+    let t0 = 1_700_000_000_000_000;
+    let rows: Vec<OutboxRow> = (1..=4).map(|id| row(id, t0)).collect();
+    let records = vec![
+        rec(0, 1, t0 + 90_000_000), // preloaded: 90 s
+        rec(1, 3, t0 + 20_000),     // the load's: 20 ms
+        rec(2, 2, t0 + 95_000_000), // preloaded
+        rec(3, 4, t0 + 40_000),     // the load's: 40 ms
+        rec(4, 3, t0 + 50_000_000), // a duplicate: its first receipt counts
+    ];
+    let load = latency_after(&rows, &records, 2);
+    assert_eq!(load.count, 2);
+    // 3 significant figures.
+    let within = |v: u64, want: u64| v.abs_diff(want) * 1000 <= want;
+    assert!(within(load.max_us, 40_000), "{}", load.max_us);
+    assert!(within(load.p50_us, 20_000), "{}", load.p50_us);
+    assert_eq!(latency_after(&rows, &records, 0).count, 4);
 }

@@ -29,7 +29,8 @@ fn every_shipped_scenario_loads_and_configures_the_relay() {
         let text = relay_config_toml(&s, 40000, 40001).unwrap_or_else(|e| panic!("{file}: {e}"));
         // What `outbox-relay run --config` will parse (secrets come from the environment).
         let parsed: outbox_relay::Config = toml::from_str(&text).unwrap();
-        assert_eq!(parsed.routes.len(), 1, "{file}");
+        let routes = 1 + usize::from(s.second_route.is_some());
+        assert_eq!(parsed.routes.len(), routes, "{file}");
     }
     for file in ["chaos.toml", "chaos-replicas.toml"] {
         let chaos = Scenario::load(&dir().join(file)).unwrap();
@@ -81,11 +82,18 @@ fn every_shipped_scenario_loads_and_configures_the_relay() {
     let load = adv.load.as_ref().unwrap();
     assert!(load.duration >= std::time::Duration::from_secs(60));
     let kinds: std::collections::BTreeSet<_> = a.outages.iter().map(|o| o.kind).collect();
-    assert_eq!(kinds.len(), 6, "every outage kind: {kinds:?}");
+    assert_eq!(kinds.len(), 8, "every outage kind: {kinds:?}");
+    assert!(a.outages.iter().all(|o| o.at + o.duration < load.duration));
+    // Sink-wide outages are shorter than a lease; one route is down for longer
+    // (the other route must keep flowing meanwhile).
+    let route = adv.second_route.as_ref().expect("a second route");
     assert!(a
         .outages
         .iter()
-        .all(|o| o.at + o.duration < load.duration && o.duration < relay.relay.lease));
+        .all(|o| o.route.is_some() || o.duration < relay.relay.lease));
+    assert!(a.outages.iter().any(|o| {
+        o.route.as_deref() == Some(route.path.as_str()) && o.duration > relay.relay.lease
+    }));
     let held = Scenario::load(&dir().join("bloat-held.toml")).unwrap();
     let free = Scenario::load(&dir().join("bloat.toml")).unwrap();
     assert!(held.hold_snapshot && !free.hold_snapshot);

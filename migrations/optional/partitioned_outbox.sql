@@ -46,10 +46,11 @@ CREATE TABLE outbox (
     partition_key    text         NOT NULL,
     bucket           smallint     NOT NULL,
     accepted_at      timestamptz,
+    attempt_log      jsonb,
     PRIMARY KEY (id, created_at)
 ) PARTITION BY RANGE (created_at);
 
--- The indexes of 0001, 0003 and 0007; each partition gets its own copy.
+-- The indexes of 0001, 0003, 0007, 0009 and 0013; each partition gets its own copy.
 CREATE INDEX outbox_bucket_ready_idx
     ON outbox (bucket, available_at, id)
     WHERE published_at IS NULL AND dead_lettered_at IS NULL;
@@ -61,6 +62,14 @@ CREATE INDEX outbox_pending_age_idx
     WHERE published_at IS NULL AND dead_lettered_at IS NULL;
 CREATE INDEX outbox_bucket_key_idx
     ON outbox (bucket, partition_key, id)
+    WHERE published_at IS NULL AND dead_lettered_at IS NULL;
+-- 0009: an ordered route's key heads among its event types.
+CREATE INDEX outbox_bucket_key_type_idx
+    ON outbox (bucket, partition_key, event_type, id)
+    WHERE published_at IS NULL AND dead_lettered_at IS NULL;
+-- 0013: the tenant walk and each tenant's due rows (tenant fairness).
+CREATE INDEX outbox_tenant_ready_idx
+    ON outbox (tenant_id, bucket, available_at, id)
     WHERE published_at IS NULL AND dead_lettered_at IS NULL;
 CREATE INDEX outbox_dead_idx
     ON outbox (dead_lettered_at)

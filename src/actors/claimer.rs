@@ -15,10 +15,11 @@ use std::sync::atomic::Ordering as AtomicOrdering;
 use std::sync::{Arc, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
-use metrics::{counter, gauge, histogram};
+use metrics::{counter, histogram};
 use ractor::{Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef};
 
-use super::inflight::{ClaimGuard, InFlight, Lease};
+use super::claim_plan::{ClaimPlan, ClaimRoutes, TenantWeights};
+use super::inflight::{InFlight, Lease};
 use super::marker::{Mark, Marked, MarkerPort};
 use super::publisher::{PublisherMsg, Publishers};
 use super::Counters;
@@ -26,10 +27,7 @@ use crate::metrics as m;
 use crate::routes::Router;
 use crate::sink::breaker::Breakers;
 use crate::sink::DeadReason;
-use crate::store::outbox::{
-    key_cursor_after, no_cursor, no_key_cursor, ClaimScope, Claimed, Cursor, KeyCursor,
-};
-use crate::store::{Fence, Session, ShardId, Store, StoreError};
+use crate::store::{Fence, Session, ShardId, Store};
 use outbox_client::row::OutboxRow;
 
 /// How long a wake-up waits before claiming, to gather a burst of inserts.
@@ -54,10 +52,13 @@ pub(crate) struct ClaimSettings {
     pub lease: Duration,
     /// Claim at least this often without a wake-up (`relay.poll_interval`).
     pub poll_interval: Duration,
-    /// LIKE patterns of the event types an ordered route takes.
-    pub ordered: Arc<[String]>,
+    /// Which rows each kind of claim takes.
+    pub routes: Arc<ClaimRoutes>,
     /// Rows per publisher job (`qstash.batch_size`).
     pub job_rows: usize,
+    /// The tenants' weights when the plain claim is shared between tenants
+    /// (`relay.tenant_fairness`); `None`: it is not.
+    pub tenants: Option<Arc<TenantWeights>>,
 }
 
 /// What every claimer works with, whatever its shard.
@@ -88,16 +89,8 @@ pub(crate) struct ClaimerState {
     fence: Fence,
     cx: ClaimerContext,
     session: Session,
-    /// `(available_at, id)` of the last row of the last full batch: the next
-    /// claim of a burst starts after it. Reset whenever a claim comes back short.
-    cursor: Cursor,
-    /// Ordered claims: the last key the previous key-head claim took; the
-    /// next one walks the shard's keys from after it (round-robin).
-    key_cursor: KeyCursor,
-    /// An ordered route takes every type (`*`): there is no plain claim to run.
-    all_ordered: bool,
-    /// Which kind of claim gets an odd limit's extra row this time.
-    heads_first: bool,
+    /// What to read next: the cursors, the ordered routes' heads.
+    plan: ClaimPlan,
     claim_queued: bool,
     idle_generation: u64,
 }
@@ -112,7 +105,6 @@ impl Actor for Claimer {
         myself: ActorRef<ClaimerMsg>,
         args: ClaimerArgs,
     ) -> Result<ClaimerState, ActorProcessingErr> {
-        let all_ordered = args.cx.settings.ordered.iter().any(|p| p == "%");
         match args
             .not_before
             .map(|t| t.saturating_duration_since(Instant::now()))
@@ -126,11 +118,11 @@ impl Actor for Claimer {
         Ok(ClaimerState {
             fence: args.fence,
             session: args.cx.store.session(),
+            plan: ClaimPlan::new(
+                Arc::clone(&args.cx.settings.routes),
+                args.cx.settings.tenants.clone(),
+            ),
             cx: args.cx,
-            cursor: no_cursor(),
-            key_cursor: no_key_cursor(),
-            all_ordered,
-            heads_first: false,
             claim_queued: true,
             idle_generation: 0,
         })
@@ -194,7 +186,16 @@ async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerSt
     let wanted = permits.count();
     // Measured before the statement: the database's lease ends no earlier.
     let expires = Instant::now() + cx.settings.lease;
-    let rows = match claim(state, wanted as i64).await {
+    let rows = match state
+        .plan
+        .claim(
+            &mut state.session,
+            &cx.in_flight,
+            state.fence,
+            wanted as i64,
+        )
+        .await
+    {
         Ok(rows) => {
             state.session.succeeded();
             rows
@@ -223,7 +224,7 @@ async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerSt
         leased.push((claimed.row, lease));
     }
     drop(permits); // permits for rows we did not get go back
-    gauge!(m::IN_FLIGHT).set(cx.in_flight.count() as f64);
+    cx.in_flight.set_gauge();
     dispatch(&cx, leased);
     if got == wanted {
         // Full: there is probably more right now.
@@ -231,101 +232,6 @@ async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerSt
     } else {
         claim_later(myself, state, cx.settings.poll_interval);
     }
-}
-
-/// The claimed rows, in id order: read from the database (which writes
-/// nothing for a claim), less the rows this relay has out already.
-async fn claim(state: &mut ClaimerState, limit: i64) -> Result<Vec<Claimed>, StoreError> {
-    // Its own handle on the patterns, so the scope does not borrow the state.
-    let ordered = Arc::clone(&state.cx.settings.ordered);
-    // The guard first: a row that leaves the in-flight set after the ids are
-    // read is then known to the guard, so it is not taken twice.
-    let claim = state.cx.in_flight.claim_starts();
-    // What this relay has out of the shard: the claims leave it out.
-    let out = state.cx.in_flight.ids_of(state.fence);
-    let scope = ClaimScope {
-        fence: state.fence,
-        ordered: &ordered,
-        out: &out,
-    };
-    let heads = !ordered.is_empty();
-    let plain = !state.all_ordered;
-    // When both kinds run, each gets half of every claim, and what one leaves
-    // the other may take: a large ordered backlog never starves the
-    // unordered event types, nor the other way round.
-    // An odd limit's extra row goes to each kind in turn.
-    state.heads_first = !state.heads_first;
-    let heads_share = if plain {
-        (limit + i64::from(state.heads_first)) / 2
-    } else {
-        limit
-    };
-    let mut rows = Vec::new();
-    if heads && heads_share > 0 {
-        rows.extend(heads_claim(state, &claim, &scope, heads_share).await?);
-    }
-    // Heads may want more than their share (none was asked, or all were taken).
-    let heads_want_more = heads && rows.len() as i64 >= heads_share;
-    let rest = limit - rows.len() as i64;
-    if plain && rest > 0 {
-        let asked = rest;
-        let read = state.session.claim_due(&scope, state.cursor, asked).await?;
-        let full = read.len() as i64 == asked;
-        let last_read = read.last().map(Claimed::cursor);
-        let taken = fresh(&claim, read, rest);
-        // The plain claim's cursor follows its own rows only (key heads are
-        // anywhere in the shard): full, the next claim goes on after what it
-        // took (or read, when all of it was out already); short, it starts
-        // again from the beginning.
-        state.cursor = match (full, taken.last().map(Claimed::cursor), last_read) {
-            (true, Some(last), _) if taken.len() as i64 == rest => last,
-            (true, _, Some(last)) => last,
-            _ => no_cursor(),
-        };
-        let short = (taken.len() as i64) < rest;
-        rows.extend(taken);
-        // The unordered types left room: give it to the ordered heads.
-        let room = limit - rows.len() as i64;
-        if short && room > 0 && heads_want_more {
-            rows.extend(heads_claim(state, &claim, &scope, room).await?);
-        }
-    }
-    rows.sort_unstable_by_key(|c| c.row.id);
-    rows.dedup_by_key(|c| c.row.id);
-    Ok(rows)
-}
-
-/// Up to `limit` key heads this relay does not have out (the claim leaves
-/// them out); the key walk goes on after the last one taken, or after the
-/// last one read when every head read had left meanwhile.
-async fn heads_claim(
-    state: &mut ClaimerState,
-    claim: &ClaimGuard,
-    scope: &ClaimScope<'_>,
-    limit: i64,
-) -> Result<Vec<Claimed>, StoreError> {
-    let read = state
-        .session
-        .claim_heads(scope, &state.key_cursor, limit)
-        .await?;
-    let all_read = key_cursor_after(&state.key_cursor, &read);
-    let taken = fresh(claim, read, limit);
-    state.key_cursor = if taken.is_empty() {
-        all_read
-    } else {
-        key_cursor_after(&state.key_cursor, &taken)
-    };
-    Ok(taken)
-}
-
-/// The first `limit` of `read` that this relay does not have out, nor had
-/// out while the claim ran.
-fn fresh(claim: &ClaimGuard, read: Vec<Claimed>, limit: i64) -> Vec<Claimed> {
-    let new = claim.fresh(read.iter().map(|c| c.row.id));
-    read.into_iter()
-        .filter(|c| new.contains(&c.row.id))
-        .take(limit.max(0) as usize)
-        .collect()
 }
 
 /// Groups rows by route and sends publisher-sized jobs; rows no route takes

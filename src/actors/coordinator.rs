@@ -13,6 +13,13 @@
 //!   lease, then the lease is given back so the new owner starts at once.
 //! - A shard lost (a renewal found the lease over or taken): its claimer stops;
 //!   what it had in flight is dropped by the publishers and refused if marked.
+//! - A shard taken from a lease that ended (not handed over): its claimer
+//!   waits before its first claim, counted from when the statement that took
+//!   it returned (a slow round does not shorten it), and from the end of the
+//!   old lease when an earlier process under this name still held it.
+//! - The name taken (a heartbeat refused: another process runs under this
+//!   `relay.replica_id`, see [`super::identity`]): every shard is dropped as
+//!   lost and nothing is taken until the name is free again.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -22,11 +29,15 @@ use metrics::{counter, gauge};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use super::claimer::Claimers;
+use super::identity;
 use super::ownership::{Ownership, Tenure};
 use super::winddown::Winddown;
 use crate::metrics as m;
-use crate::store::shards::Replica;
+use crate::store::shards::{Heartbeat, Holder, LeaseHolder, Replica};
 use crate::store::{Fence, Session, ShardId, Store, StoreError};
+
+/// The `kind` label values of the shard handovers' counter.
+pub(crate) const HANDOVER_KINDS: [&str; 3] = ["acquired", "released", "lost"];
 
 pub(crate) enum CoordinatorMsg {
     /// A round: renew, count replicas, take or hand over shards.
@@ -63,6 +74,11 @@ pub(crate) struct CoordinatorState {
     /// Left the replica list (shutdown): a round still scheduled must not
     /// announce this replica again.
     left: bool,
+    /// Another process holds this replica's name: it takes nothing.
+    displaced: bool,
+    /// A migration applied needs newer relays (`migrate --allow-live-older`):
+    /// hand every shard over, take none, then leave the replica list.
+    outdated: bool,
 }
 
 impl Actor for Coordinator {
@@ -82,6 +98,8 @@ impl Actor for Coordinator {
             handing_over: HashMap::new(),
             stopping: false,
             left: false,
+            displaced: false,
+            outdated: false,
         })
     }
 
@@ -152,20 +170,46 @@ async fn round(
     state: &mut CoordinatorState,
 ) -> Result<Duration, StoreError> {
     let lease = state.args.shard_lease;
-    // Measured before the statements: the database's leases end no earlier.
-    let started = Instant::now();
-    state.session.heartbeat(&state.args.me, lease).await?;
+    let relays_from = match state.session.heartbeat(&state.args.me, lease, None).await? {
+        Heartbeat::Beat { relays_from } if state.displaced => {
+            state.displaced = false;
+            tracing::info!(replica = %state.args.me.id, "the replica name is free again: taking shards");
+            relays_from
+        }
+        Heartbeat::Beat { relays_from } => relays_from,
+        Heartbeat::Refused(holder) => {
+            displaced(state, &holder);
+            return Ok(lease / 4);
+        }
+    };
+    if !state.outdated && relays_from.is_some_and(|n| n > Store::latest_schema()) {
+        state.outdated = true;
+        let why = match state.args.store.needs_newer_relays().await? {
+            Some(needs) => needs.to_string(),
+            None => "a migration applied needs newer relays".to_owned(),
+        };
+        tracing::error!("{why}; this relay stops claiming: it hands its shards over and leaves");
+    }
 
-    // 1. Renew what we hold.
+    // 1. Renew what we hold. Each lease's end as this process sees it is
+    //    measured before the statement: the database's is no earlier.
     let held = state.args.ownership.fences();
     if !held.is_empty() {
         let tokens: Vec<i64> = held.iter().map(|f| f.token).collect();
+        let asked = Instant::now();
         let renewed = state.session.renew(&state.args.me, lease, &tokens).await?;
-        for fence in held {
-            if renewed.contains(&fence) {
-                state.args.ownership.renew(fence, started + lease);
-            } else {
-                lost(state, fence);
+        let (kept, gone): (Vec<Fence>, Vec<Fence>) =
+            held.into_iter().partition(|f| renewed.contains(f));
+        for fence in kept {
+            state.args.ownership.renew(fence, asked + lease);
+        }
+        if !gone.is_empty() {
+            // Only to say who took them; the claimers stop either way.
+            let shards: Vec<ShardId> = gone.iter().map(|f| f.shard).collect();
+            let holders = state.session.lease_holders(&shards).await.ok();
+            for fence in gone {
+                let why = why_lost(&state.args.me, fence.shard, holders.as_deref());
+                lost(state, fence, &why);
             }
         }
     }
@@ -191,6 +235,17 @@ async fn round(
         .filter(|s| !state.handing_over.contains_key(s))
         .collect();
 
+    if state.outdated {
+        share = 0;
+        if held_now.is_empty() && state.handing_over.is_empty() {
+            state.session.leave(&state.args.me).await?;
+            state.left = true;
+            gauge!(m::SHARDS_OWNED).set(0.0);
+            tracing::error!("this relay is too old for the schema: it holds no shard and left the replica list; replace it with a relay of the release that migrated");
+            return Ok(lease);
+        }
+    }
+
     // 3. Take or hand over the difference.
     if state.stopping {
         // Shutdown releases everything; nothing to take.
@@ -203,24 +258,28 @@ async fn round(
     } else if held_now.len() < share {
         let mut exclude: Vec<ShardId> = held_now.clone();
         exclude.extend(state.handing_over.keys());
+        let asked = Instant::now();
         let taken = state
             .session
             .acquire(&state.args.me, lease, share - held_now.len(), &exclude)
             .await?;
+        // The database took them before this: a wait counted from here is
+        // no shorter than one counted from the takeover.
+        let returned = Instant::now();
         for acquired in taken {
             let fence = acquired.fence;
             // Taken from a lease that ended rather than one given back: its
             // last owner may have requests in the air (a claim wrote nothing
             // that would keep their rows from being read again), so the first
-            // claim waits until every such request is over.
-            let not_before = acquired
-                .previous
-                .is_some()
-                .then(|| started + state.args.winddown.requests_end_within);
+            // claim waits until every such request is over. An earlier
+            // process under this name may send until its lease ends.
+            let not_before = acquired.previous.is_some().then(|| {
+                returned + acquired.previous_lease_left + state.args.winddown.requests_end_within
+            });
             state
                 .args
                 .ownership
-                .set(fence.shard, Tenure::new(fence.token, started + lease));
+                .set(fence.shard, Tenure::new(fence.token, asked + lease));
             counter!(m::SHARD_HANDOVERS, "kind" => "acquired").increment(1);
             tracing::info!(
                 shard = %fence.shard,
@@ -258,8 +317,54 @@ pub(crate) fn fair_share(shards: usize, live: &[String], me: &str) -> usize {
     shards / n + usize::from(index < shards % n)
 }
 
+/// Why the lease of `shard` was not renewed, from who holds it now
+/// (`holders`: the lease rows of the shards lost, `None` if not known).
+fn why_lost(me: &Replica, shard: ShardId, holders: Option<&[LeaseHolder]>) -> String {
+    let Some(holders) = holders else {
+        return "not renewed in time, or taken by another replica".to_owned();
+    };
+    let Some(now) = holders.iter().find(|h| h.shard == shard) else {
+        return "the outbox was resharded: the shard is gone".to_owned();
+    };
+    match now.owner.as_deref() {
+        Some(owner) if now.live && owner == me.id => {
+            "taken by another process under this replica's name".to_owned()
+        }
+        Some("(reshard)") => "the outbox was resharded".to_owned(),
+        Some(owner) if now.live => format!("taken by replica {owner}"),
+        _ => "its lease ended before it was renewed".to_owned(),
+    }
+}
+
+/// Another process holds this replica's name: drop every shard (its
+/// heartbeat, not this one's, now keeps the name live; it takes them).
+fn displaced(state: &mut CoordinatorState, holder: &Holder) {
+    if !state.displaced {
+        tracing::error!(
+            "{}; this relay stops claiming until the name is free",
+            identity::name_taken(&state.args.me, holder)
+        );
+    }
+    state.displaced = true;
+    let why = format!(
+        "relay.replica_id is in use by host {} pid {}",
+        holder.hostname, holder.pid
+    );
+    let mut fences = state.args.ownership.fences();
+    fences.extend(
+        state
+            .handing_over
+            .iter()
+            .map(|(&shard, &token)| Fence { shard, token }),
+    );
+    for fence in fences {
+        lost(state, fence, &why);
+    }
+    gauge!(m::SHARDS_OWNED).set(0.0);
+}
+
 /// The lease ended or was taken: stop claiming there at once.
-fn lost(state: &mut CoordinatorState, fence: Fence) {
+fn lost(state: &mut CoordinatorState, fence: Fence, why: &str) {
     state.args.ownership.remove_if(fence);
     // A handover in progress finds it gone and gives nothing back.
     state.handing_over.remove(&fence.shard);
@@ -267,7 +372,7 @@ fn lost(state: &mut CoordinatorState, fence: Fence) {
     tracing::warn!(
         shard = %fence.shard,
         token = fence.token,
-        "shard lease lost (not renewed in time, or taken by another replica); its claimer stops"
+        "shard lease lost ({why}); its claimer stops"
     );
     // Beside the round, which must go on renewing the other shards.
     let claimers = state.args.claimers.clone();
@@ -335,7 +440,38 @@ async fn leave(state: &mut CoordinatorState) -> Result<(), StoreError> {
 
 #[cfg(test)]
 mod tests {
-    use super::fair_share;
+    use super::{fair_share, why_lost};
+    use crate::store::shards::{LeaseHolder, Replica};
+    use crate::store::ShardId;
+
+    #[test]
+    fn a_lost_lease_is_explained_by_who_holds_the_shard_now() {
+        let me = Replica::this_process("me");
+        let held = |owner: Option<&str>, live: bool| LeaseHolder {
+            shard: ShardId::new(3),
+            owner: owner.map(str::to_owned),
+            live,
+        };
+        let why = |now: Option<&[LeaseHolder]>| why_lost(&me, ShardId::new(3), now);
+        assert_eq!(why(Some(&[held(Some("b"), true)])), "taken by replica b");
+        assert_eq!(
+            why(Some(&[held(Some("me"), true)])),
+            "taken by another process under this replica's name"
+        );
+        assert_eq!(
+            why(Some(&[held(Some("(reshard)"), true)])),
+            "the outbox was resharded"
+        );
+        assert_eq!(
+            why(Some(&[held(Some("b"), false)])),
+            "its lease ended before it was renewed"
+        );
+        assert_eq!(
+            why(Some(&[])),
+            "the outbox was resharded: the shard is gone"
+        );
+        assert!(why(None).contains("not renewed in time"));
+    }
 
     fn names(n: usize) -> Vec<String> {
         (0..n).map(|i| format!("r{i}")).collect()

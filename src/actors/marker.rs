@@ -1,6 +1,8 @@
-//! Marker: collects outcomes and writes them in one multi-row UPDATE every
-//! `mark_batch` rows or `mark_interval`, whichever comes first
-//! ([`crate::store::Session::mark`]), the one write an event costs. Every
+//! Marker: collects outcomes and writes them in multi-row UPDATEs every
+//! `mark_batch` rows or `mark_interval`, whichever comes first, the one
+//! write an event costs; a large flush is split by id over
+//! `relay.mark_connections` connections that write in parallel
+//! ([`crate::store::mark::mark_split`]). Every
 //! write is fenced twice: by the `attempt_count` the claim read, so a mark
 //! written twice (after a lost answer) or after a newer attempt applies once;
 //! and by the shard's fencing token, so a replica that lost the shard (paused
@@ -11,14 +13,14 @@ use std::sync::atomic::Ordering as AtomicOrdering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use metrics::{counter, gauge};
+use metrics::counter;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use super::inflight::{InFlight, Lease};
 use super::{Counters, Slot, Wake};
 use crate::metrics as m;
 use crate::sink::{DeadReason, RetryReason};
-use crate::store::outbox::{Held, Write, Written};
+use crate::store::mark::{mark_split, Held, Write, Written};
 use crate::store::{Session, Store};
 
 /// What the marker writes for a row.
@@ -39,10 +41,12 @@ pub(crate) enum Mark {
     /// at the shard's next owner) reads the row again.
     Release,
     /// Not attempted, or failed because of the sink rather than the event:
-    /// the route is paused. Back after `delay`, the attempt not counted.
+    /// the route is paused, or a final verdict waits for a witness. Back
+    /// after `delay`, the attempt not counted.
     Defer {
         delay: Duration,
         error: String,
+        cause: DeferCause,
     },
     /// QStash took it for an ordered route: held for up to `delay` until its
     /// callback says what the destination answered; its key waits meanwhile.
@@ -65,11 +69,41 @@ impl Mark {
                 attempted: *reason != DeadReason::Unanswered,
             },
             Mark::Release => Write::Release,
-            Mark::Defer { delay, error } => Write::Defer {
+            Mark::Defer { delay, error, .. } => Write::Defer {
                 delay: *delay,
                 error,
             },
             Mark::Hold { delay } => Write::Hold { delay: *delay },
+        }
+    }
+}
+
+/// Why a row was deferred; the `cause` label on the metric.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DeferCause {
+    /// Its route is paused by the circuit breaker.
+    Paused,
+    /// Its final verdict came while the route accepted nothing else
+    /// ([`crate::sink::breaker::witness`]).
+    NoWitness,
+    /// Its webhook route's or destination host's limits (`rate`,
+    /// `concurrency`, a `429`) do not let it go now ([`crate::sink::limits`]).
+    Limited,
+}
+
+impl DeferCause {
+    /// Every cause, to export each one's series at 0 from start.
+    pub(crate) const ALL: [DeferCause; 3] = [
+        DeferCause::Paused,
+        DeferCause::NoWitness,
+        DeferCause::Limited,
+    ];
+
+    pub(crate) fn as_str(&self) -> &'static str {
+        match self {
+            DeferCause::Paused => "paused",
+            DeferCause::NoWitness => "no_witness",
+            DeferCause::Limited => "limited",
         }
     }
 }
@@ -137,6 +171,8 @@ pub(crate) struct Marker;
 #[derive(Clone)]
 pub(crate) struct MarkerArgs {
     pub store: Store,
+    /// Connections a flush is written over (`relay.mark_connections`).
+    pub connections: usize,
     /// Flush after this many outcomes...
     pub batch: usize,
     /// ...or this long after the first one, whichever comes first.
@@ -152,9 +188,21 @@ pub(crate) struct MarkerArgs {
 
 pub(crate) struct MarkerState {
     args: MarkerArgs,
-    session: Session,
+    /// One per mark connection; a flush writes over all of them at once.
+    sessions: Vec<Session>,
     pending: Vec<Marked>,
     flush_scheduled: bool,
+}
+
+impl MarkerState {
+    /// Failures in a row so far (the same on every session: they fail together).
+    fn failures(&self) -> u32 {
+        self.sessions
+            .iter()
+            .map(Session::failures)
+            .max()
+            .unwrap_or(0)
+    }
 }
 
 impl Actor for Marker {
@@ -168,7 +216,9 @@ impl Actor for Marker {
         args: MarkerArgs,
     ) -> Result<MarkerState, ActorProcessingErr> {
         Ok(MarkerState {
-            session: args.store.session(),
+            sessions: (0..args.connections.max(1))
+                .map(|_| args.store.session())
+                .collect(),
             args,
             pending: Vec::new(),
             flush_scheduled: false,
@@ -201,8 +251,7 @@ impl Actor for Marker {
                     if state.pending.is_empty() || flush(&myself, state).await {
                         break;
                     }
-                    tokio::time::sleep(crate::store::reconnect_delay(state.session.failures()))
-                        .await;
+                    tokio::time::sleep(crate::store::reconnect_delay(state.failures())).await;
                 }
                 let _ = reply.send(());
             }
@@ -218,11 +267,13 @@ async fn flush(myself: &ActorRef<MarkerMsg>, state: &mut MarkerState) -> bool {
         return true;
     }
     let mut batch = std::mem::take(&mut state.pending);
+    // By id: the parts of a split flush never share a row.
+    batch.sort_by_key(|m| m.lease.id());
     let writes: Vec<(Held, Write)> = batch
         .iter()
         .map(|m| (m.lease.held, m.mark.write()))
         .collect();
-    let written: Written = state.session.mark(&writes).await;
+    let written: Written = mark_split(&mut state.sessions, &writes).await;
     drop(writes);
     // Rows the database refused even alone: the mark is dropped (and so is
     // the lease, which expires); the row stays pending and is delivered again.
@@ -251,18 +302,24 @@ async fn flush(myself: &ActorRef<MarkerMsg>, state: &mut MarkerState) -> bool {
         .partition(|_| *keep.next().expect("one flag per mark"));
     account(&state.args, &finished, &written.applied, &refused);
     drop(finished); // leases and permits go back here
-    gauge!(m::IN_FLIGHT).set(state.args.in_flight.count() as f64);
+    state.args.in_flight.set_gauge();
     state.pending = retry;
     match written.error {
         None => {
-            state.session.succeeded();
+            state.sessions.iter_mut().for_each(Session::succeeded);
             if let Some(wake) = &state.args.after_flush {
                 wake();
             }
             true
         }
         Some(e) => {
-            let delay = state.session.failed();
+            // Every session takes a fresh connection next time.
+            let delay = state
+                .sessions
+                .iter_mut()
+                .map(Session::failed)
+                .max()
+                .unwrap_or_default();
             tracing::warn!(error = %e, rows = state.pending.len(), retry_in = ?delay, "mark failed; will retry");
             if !state.flush_scheduled {
                 state.flush_scheduled = true;
@@ -289,7 +346,7 @@ fn account(args: &MarkerArgs, marked: &[Marked], applied: &HashSet<i64>, refused
             .route
             .and_then(|i| args.route_names.get(i))
             .cloned()
-            .unwrap_or_else(|| "none".to_owned());
+            .unwrap_or_else(|| m::NO_ROUTE.to_owned());
         match &marked.mark {
             Mark::Published => {
                 counter!(m::PUBLISHED, "route" => route).increment(1);
@@ -304,8 +361,8 @@ fn account(args: &MarkerArgs, marked: &[Marked], applied: &HashSet<i64>, refused
                     .increment(1);
                 counters.dead_lettered.fetch_add(1, AtomicOrdering::Relaxed);
             }
-            Mark::Defer { .. } => {
-                counter!(m::DEFERRED, "route" => route).increment(1);
+            Mark::Defer { cause, .. } => {
+                counter!(m::DEFERRED, "route" => route, "cause" => cause.as_str()).increment(1);
                 counters.deferred.fetch_add(1, AtomicOrdering::Relaxed);
             }
             Mark::Hold { .. } => {

@@ -16,8 +16,10 @@
 //! Rows a crashed actor held are not tracked: their leases expire and they
 //! are claimed again.
 
+pub(crate) mod claim_plan;
 pub(crate) mod claimer;
 pub(crate) mod coordinator;
+pub(crate) mod identity;
 pub(crate) mod inflight;
 pub(crate) mod listener;
 pub(crate) mod marker;

@@ -9,13 +9,15 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::inflight::Lease;
-use super::marker::{Mark, Marked, MarkerPort};
+use super::marker::{DeferCause, Mark, Marked, MarkerPort};
 use super::ownership::Ownership;
-use crate::backoff::Backoff;
 use crate::metrics as m;
-use crate::routes::Router;
-use crate::sink::breaker::{self, Admit};
+use crate::routes::{RetryPolicy, Router};
+use crate::sink::breaker::witness::Verdict;
+use crate::sink::breaker::{Admit, Breaker};
+use crate::sink::limits::{Admission, Ticket};
 use crate::sink::{DeadReason, Outcome, RetryReason, Sinks};
+use crate::telemetry::Telemetry;
 use outbox_client::row::OutboxRow;
 
 #[derive(Debug)]
@@ -64,24 +66,19 @@ impl Publishers {
     }
 }
 
-/// How failed attempts are retried.
-#[derive(Debug, Clone)]
-pub(crate) struct RetryPolicy {
-    pub backoff: Backoff,
-    /// The attempt that reaches this count and fails dead-letters the row.
-    pub max_attempts: u32,
-}
-
 pub(crate) struct Publisher;
 
 pub(crate) struct PublisherArgs {
     pub sinks: Arc<Sinks>,
     pub router: Arc<Router>,
-    pub retry: RetryPolicy,
+    /// Each route's, by route index.
+    pub retry: Vec<RetryPolicy>,
     pub ownership: Arc<Ownership>,
     /// A row is sent only when its lease outlasts a whole request.
     pub request_timeout: Duration,
     pub marker: MarkerPort,
+    /// Delivery spans, when `[telemetry]` exports them.
+    pub telemetry: Telemetry,
     #[cfg(test)]
     pub hooks: super::Hooks,
 }
@@ -137,33 +134,49 @@ impl Actor for Publisher {
         }
         let route = &args.router.routes()[route];
         let (rows, leases) = settle_unanswered(&args, route, rows, leases);
+        // One instant for the limits and the breaker: the limits pass over a
+        // route the breaker holds, and only then.
+        let now = Instant::now();
+        let (mut rows, leases, tickets) = defer_limited(&args, route, rows, leases, now);
         if rows.is_empty() {
             return Ok(());
         }
+        let spans = args.telemetry.start_deliveries(&route.name, &mut rows);
         let breaker = args.sinks.breakers.route(route.index);
-        let (outcomes, paused) = match breaker.admit(Instant::now()) {
+        let sent = Instant::now();
+        let (outcomes, paused) = match breaker.admit(now) {
             Admit::Send => {
-                let outcomes = args.sinks.deliver(route, &rows).await;
+                let outcomes = args.sinks.deliver(route, &rows, tickets).await;
+                args.sinks
+                    .limits
+                    .record(route, &rows, &outcomes, sent.elapsed());
                 let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
-                let paused = breaker.record(breaker::health(&outcomes), &ids, Instant::now());
+                let paused = breaker.record(&outcomes, &ids, sent, Instant::now());
                 (Some(outcomes), paused)
             }
             Admit::Paused { until, error } => (None, Some((until, error))),
         };
+        if let Some(spans) = spans {
+            spans.end(outcomes.as_deref());
+        }
         let mut outcomes = outcomes.map(Vec::into_iter);
-        let marked = rows
+        let marked: Vec<Marked> = rows
             .iter()
             .zip(leases)
             .map(|(row, lease)| {
                 let outcome = outcomes.as_mut().and_then(Iterator::next);
                 Marked {
                     mark: decide(
-                        &args.retry,
+                        &args.retry[route.index],
                         route.config.callback_hold(),
                         row,
                         &lease,
                         outcome,
-                        &paused,
+                        &Judge {
+                            breaker,
+                            sent,
+                            paused: &paused,
+                        },
                         &mut state.rng,
                     ),
                     route: Some(route.index),
@@ -171,6 +184,7 @@ impl Actor for Publisher {
                 }
             })
             .collect();
+        log_unwitnessed(&route.name, &marked);
         args.marker.send(marked);
         Ok(())
     }
@@ -227,7 +241,7 @@ fn drop_expired(
 }
 
 /// Rows of an ordered QStash route whose last hold ran out with no callback
-/// after QStash took the attempt numbered `relay.max_attempts`: dead-lettered
+/// after QStash took the route's last attempt (`max_attempts`): dead-lettered
 /// here, without sending them again. Dead-lettering when QStash takes that
 /// last copy instead would let the key's next event overtake it.
 fn settle_unanswered(
@@ -239,7 +253,7 @@ fn settle_unanswered(
     let Some(hold) = route.config.callback_hold() else {
         return (rows, leases);
     };
-    let max = args.retry.max_attempts;
+    let max = args.retry[route.index].max_attempts;
     let unanswered = |lease: &Lease| lease.held_before && lease.attempt() as u32 > max;
     if !leases.iter().any(unanswered) {
         return (rows, leases);
@@ -264,22 +278,81 @@ fn settle_unanswered(
     kept.into_iter().unzip()
 }
 
+/// Rows a webhook route's or its host's limits do not let go now
+/// ([`crate::sink::limits`]): deferred here without spending an attempt,
+/// each until its promised slot. The others come back with their tickets;
+/// one whose slot is so late that its lease would not outlast the request
+/// is given back unsent (as [`drop_expired`] does). A paused route's rows
+/// are left to the breaker (taking slots for them would waste them).
+fn defer_limited(
+    args: &PublisherArgs,
+    route: &crate::routes::Route,
+    rows: Vec<OutboxRow>,
+    leases: Vec<Lease>,
+    now: Instant,
+) -> (Vec<OutboxRow>, Vec<Lease>, Vec<Ticket>) {
+    let paused = args.sinks.breakers.route(route.index).paused_until(now);
+    if paused.is_some() {
+        let tickets = rows.iter().map(|_| Ticket::now()).collect();
+        return (rows, leases, tickets);
+    }
+    let admissions = args.sinks.limits.admit(route, &rows, now);
+    let mut kept = (Vec::new(), Vec::new(), Vec::new());
+    let mut put_back = Vec::new();
+    for ((row, lease), admission) in rows.into_iter().zip(leases).zip(admissions) {
+        let mark = match admission {
+            Admission::Go(ticket) if lease.expires > ticket.at + args.request_timeout => {
+                kept.0.push(row);
+                kept.1.push(lease);
+                kept.2.push(ticket);
+                continue;
+            }
+            Admission::Go(_) => Mark::Release,
+            Admission::Wait { delay, error } => Mark::Defer {
+                delay,
+                error,
+                cause: DeferCause::Limited,
+            },
+        };
+        put_back.push(Marked {
+            mark,
+            route: Some(route.index),
+            lease,
+        });
+    }
+    if !put_back.is_empty() {
+        tracing::debug!(route = %route.name, rows = put_back.len(), "rows deferred by the route's limits");
+        args.marker.send(put_back);
+    }
+    kept
+}
+
+/// What `decide` asks about the route: whether it is paused (until when,
+/// and why), and whether a final verdict in the answer to the request sent
+/// at `sent` has a witness.
+struct Judge<'a> {
+    breaker: &'a Breaker,
+    sent: Instant,
+    paused: &'a Option<(Instant, String)>,
+}
+
 /// Turns a sink's outcome into what the marker writes: a retry on the last
-/// allowed attempt dead-letters instead; while the route is paused (`paused`:
-/// until when, and why) a row that was not sent, or failed with the sink
-/// rather than for itself, is deferred without counting the attempt.
+/// allowed attempt dead-letters instead; while the route is paused a row
+/// that was not sent, or failed with the sink rather than for itself, is
+/// deferred without counting the attempt; a final verdict (a rejection, the
+/// last attempt failing) is carried out only when the route accepted another
+/// message since the row first failed, else deferred too.
 /// (Counting happens in the marker, for the rows whose mark the database took.)
-#[allow(clippy::too_many_arguments)]
 fn decide(
     retry: &RetryPolicy,
     hold: Option<Duration>,
     row: &OutboxRow,
     lease: &Lease,
     outcome: Option<Outcome>,
-    paused: &Option<(Instant, String)>,
+    judge: &Judge<'_>,
     rng: &mut impl rand::Rng,
 ) -> Mark {
-    let outcome = match (outcome, paused) {
+    let outcome = match (outcome, judge.paused) {
         (Some(o @ (Outcome::Published | Outcome::Dead { .. })), _) => o,
         (
             Some(
@@ -292,13 +365,10 @@ fn decide(
         ) => o,
         (Some(o), None) => o,
         (_, Some((until, error))) => {
-            // Spread the rows over a tenth of the pause, so they do not all
-            // come back in one burst.
-            let wait = until.saturating_duration_since(Instant::now());
-            let spread = rng.random_range(0..=(wait.as_millis() as u64 / 10).max(1));
             return Mark::Defer {
-                delay: wait + Duration::from_millis(spread),
+                delay: spread(until.saturating_duration_since(Instant::now()), rng),
                 error: error.clone(),
+                cause: DeferCause::Paused,
             };
         }
         // Not sent and not paused: cannot happen; give the lease back.
@@ -328,9 +398,9 @@ fn decide(
             let attempt = lease.attempt();
             if attempt as u32 >= max {
                 let error = format!("attempt {attempt} of {max} failed: {error}");
-                dead(row, DeadReason::Exhausted, error)
+                final_verdict(judge, row, DeadReason::Exhausted, error, rng)
             } else {
-                let delay = retry.backoff.next(attempt as u32, after, rng);
+                let delay = retry.next(attempt as u32, after, rng);
                 tracing::debug!(id = row.id, attempt, ?delay, %error, "retry");
                 Mark::Retry {
                     delay,
@@ -339,7 +409,72 @@ fn decide(
                 }
             }
         }
+        (Outcome::Dead { reason, error }, _) if reason.reached_sink() => {
+            final_verdict(judge, row, reason, error, rng)
+        }
         (Outcome::Dead { reason, error }, _) => dead(row, reason, error),
+    }
+}
+
+/// A verdict the destination's answers reached: dead-lettered when it has a
+/// witness (the route accepted another message since this row first
+/// failed); otherwise the route itself may be failing (a redeploy's 404s, a
+/// wrong path, an outage), and the row is deferred, its attempt not counted.
+fn final_verdict(
+    judge: &Judge<'_>,
+    row: &OutboxRow,
+    reason: DeadReason,
+    error: String,
+    rng: &mut impl rand::Rng,
+) -> Mark {
+    let now = Instant::now();
+    match judge.breaker.verdict(row.id, judge.sent, now) {
+        Verdict::Carry => dead(row, reason, error),
+        Verdict::Defer { delay } => {
+            let paused = judge
+                .paused
+                .as_ref()
+                .map(|(until, _)| until.saturating_duration_since(now))
+                .unwrap_or_default();
+            Mark::Defer {
+                delay: spread(delay.max(paused), rng),
+                error: crate::sink::truncate(
+                    format!(
+                        "{error} (not dead-lettered: the route accepted no other message since this one first failed)"
+                    ),
+                    crate::sink::MAX_ERROR_CHARS,
+                ),
+                cause: DeferCause::NoWitness,
+            }
+        }
+    }
+}
+
+/// `wait` and up to a tenth more, so that deferred rows do not all come back
+/// in one burst.
+fn spread(wait: Duration, rng: &mut impl rand::Rng) -> Duration {
+    let extra = rng.random_range(0..=(wait.as_millis() as u64 / 10).max(1));
+    wait + Duration::from_millis(extra)
+}
+
+/// One line per delivery whose verdicts wait for a witness, naming the
+/// route and what the destination answered.
+fn log_unwitnessed(route: &str, marked: &[Marked]) {
+    let mut deferred = marked.iter().filter_map(|m| match &m.mark {
+        Mark::Defer {
+            error,
+            cause: DeferCause::NoWitness,
+            ..
+        } => Some(error),
+        _ => None,
+    });
+    if let Some(error) = deferred.next() {
+        tracing::warn!(
+            route,
+            rows = 1 + deferred.count(),
+            %error,
+            "verdicts deferred: the route accepted no other message since these rows first failed, so the route is failing rather than the messages; they are sent again later without spending attempts"
+        );
     }
 }
 

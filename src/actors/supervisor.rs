@@ -32,6 +32,10 @@ pub(crate) enum Child {
 }
 
 impl Child {
+    /// Every [`Child::label`]: the `actor` label values of the restarts metric.
+    pub(crate) const LABELS: [&'static str; 5] =
+        ["marker", "publisher", "claimer", "listener", "coordinator"];
+
     pub(crate) fn label(&self) -> &'static str {
         match self {
             Child::Marker => "marker",
@@ -210,6 +214,7 @@ impl Actor for Supervisor {
             return Ok(());
         }
         tracing::error!(actor = child.label(), reason = %why, "actor died; its rows' leases will expire");
+        debug_assert!(Child::LABELS.contains(&child.label()));
         m::count_actor_restart(child.label());
         *state.restarts.entry(child.label()).or_default() += 1;
         let budget = state.args.budget;

@@ -9,8 +9,9 @@ use clap::{Args, Subcommand};
 use serde::Serialize;
 
 use crate::config::Config;
+use crate::routes::Router;
 use crate::store::dead_letters::Selection;
-use crate::store::Store;
+use crate::store::{Store, StoreError};
 
 /// Which dead rows a replay or purge touches. Filters combine with AND;
 /// `all` alone means every dead row.
@@ -42,6 +43,7 @@ impl Selector {
             since: self.since,
             until: self.until,
             all: self.all,
+            ..Selection::default()
         }
     }
 }
@@ -77,16 +79,24 @@ pub enum DlqCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Show one outbox row, every column, the payload pretty-printed.
+    /// Show one outbox row, every column, the payload pretty-printed and
+    /// its failed attempts one a line (when, attempt, status, answer).
     Show {
         id: i64,
         #[arg(long)]
         json: bool,
     },
-    /// Put dead rows back to pending, with new idempotency keys.
+    /// Put dead rows back to pending, with new idempotency keys. On an
+    /// ordered route a replayed row goes before its key's newer pending
+    /// events; a row whose key has a newer event delivered already is
+    /// refused (the keys are named) unless --allow-reorder is given.
     Replay {
         #[command(flatten)]
         selector: Selector,
+        /// Replay rows of ordered routes even when a newer event of their key
+        /// was delivered already (they arrive after it).
+        #[arg(long)]
+        allow_reorder: bool,
         #[arg(long)]
         json: bool,
     },
@@ -106,13 +116,16 @@ pub enum DlqCommand {
 pub async fn run(cmd: DlqCommand, config: &Config) -> anyhow::Result<ExitCode> {
     let store = Store::for_command(&config.database.url)?;
     let mut stdout = std::io::stdout().lock();
-    execute(cmd, &store, &mut stdout).await
+    execute(cmd, &store, &Router::new(&config.routes), &mut stdout).await
 }
 
-/// Runs a command against `store`, writing what a person or script reads to `out`.
+/// Runs a command against `store`, for the routes of `router` (a replay
+/// keeps the order of their ordered keys), writing what a person or script
+/// reads to `out`.
 pub async fn execute(
     cmd: DlqCommand,
     store: &Store,
+    router: &Router,
     out: &mut dyn Write,
 ) -> anyhow::Result<ExitCode> {
     match cmd {
@@ -170,6 +183,9 @@ pub async fn execute(
                 let width = columns.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
                 for (name, value) in columns {
                     let text = match &value {
+                        serde_json::Value::Array(attempts) if name == "attempt_log" => {
+                            attempt_lines(attempts)
+                        }
                         serde_json::Value::Null => "-".to_owned(),
                         serde_json::Value::String(s) => s.clone(),
                         serde_json::Value::Object(_) | serde_json::Value::Array(_) => {
@@ -185,8 +201,24 @@ pub async fn execute(
                 }
             }
         }
-        DlqCommand::Replay { selector, json } => {
-            let replayed = store.replay_dead(&selector.selection()).await?;
+        DlqCommand::Replay {
+            selector,
+            allow_reorder,
+            json,
+        } => {
+            let selection = Selection {
+                ordered: router.ordered_like_patterns(),
+                allow_reorder,
+                ..selector.selection()
+            };
+            let replayed = match store.replay_dead(&selection).await {
+                Ok(replayed) => replayed,
+                Err(StoreError::Refused(why)) => {
+                    writeln!(out, "refusing to replay: {why}")?;
+                    return Ok(ExitCode::from(2));
+                }
+                Err(e) => return Err(e.into()),
+            };
             if json {
                 write_json(
                     out,
@@ -271,6 +303,27 @@ fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
         line(&mut row.iter().map(String::as_str));
     }
     out
+}
+
+/// A row's attempt history (`store::attempt_log`), one failed attempt a
+/// line: when, which attempt, the status (`-` without an answer), and the
+/// first characters of the answer.
+fn attempt_lines(attempts: &[serde_json::Value]) -> String {
+    attempts
+        .iter()
+        .map(|a| {
+            let status = a["status"]
+                .as_i64()
+                .map_or_else(|| "-".to_owned(), |s| s.to_string());
+            format!(
+                "{}  attempt {}  {status:>3}  {}",
+                a["at"].as_str().unwrap_or("?"),
+                a["attempt"].as_i64().unwrap_or(0),
+                a["error"].as_str().unwrap_or("")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 #[cfg(test)]

@@ -146,6 +146,18 @@ fn render_replicas(report: &Stats) -> String {
             format!("{} {}", r.shards.len(), shard_list(&r.shards)),
         ]);
     }
+    let mut refused = String::new();
+    for r in &report.replicas {
+        if let Some(f) = &r.refused {
+            refused.push_str(&format!(
+                "replica {}: another process (host {}, pid {}) asked for this name at {} and was refused; give each replica its own relay.replica_id\n",
+                r.replica,
+                f.hostname,
+                f.pid,
+                f.at.format("%Y-%m-%d %H:%M:%S UTC")
+            ));
+        }
+    }
     let unowned = if report.unowned_shards.is_empty() {
         "every shard is held".to_owned()
     } else {
@@ -154,7 +166,7 @@ fn render_replicas(report: &Stats) -> String {
             shard_list(&report.unowned_shards)
         )
     };
-    format!("\n{replicas}\n{unowned}\n")
+    format!("\n{replicas}\n{refused}{unowned}\n")
 }
 
 /// `[0, 1, 2, 5]` as `[0-2, 5]`.

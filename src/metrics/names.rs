@@ -50,8 +50,10 @@ pub const MARKS_FENCED_TOTAL: &str = "outbox_relay_marks_fenced_total";
 /// Counter, label `kind`: `acquired`, `released` (handed over, or given
 /// back on shutdown), `lost` (not renewed in time, or taken by another replica).
 pub const SHARD_HANDOVERS_TOTAL: &str = "outbox_relay_shard_handovers_total";
-/// Counter, label `route`: rows put back without spending an attempt because
-/// their route was paused.
+/// Counter, labels `route`, `cause` (`paused`: the route was paused;
+/// `no_witness`: a final verdict came while the route accepted nothing
+/// else; `limited`: a webhook route's or host's `rate`, `concurrency` or a
+/// `429` held it back): rows put back without spending an attempt.
 pub const EVENTS_DEFERRED_TOTAL: &str = "outbox_relay_events_deferred_total";
 /// Counter, labels `route`, `cause` (`unauthorized`, `rate_limited`,
 /// `connect`, `failing`): times a route's circuit breaker opened.
@@ -69,7 +71,7 @@ pub const EVENTS_HELD_TOTAL: &str = "outbox_relay_events_held_total";
 /// failed: dead-lettered), `stale` (about an attempt the row is no longer on).
 pub const CALLBACKS_TOTAL: &str = "outbox_relay_callbacks_total";
 /// Gauge, label `route`: 1 while the route is paused by its circuit breaker.
-pub(crate) const ROUTE_PAUSED: &str = "outbox_relay_route_paused";
+pub const ROUTE_PAUSED: &str = "outbox_relay_route_paused";
 /// Gauge: shards this replica holds a lease on.
 pub const SHARDS_OWNED: &str = "outbox_relay_shards_owned";
 /// Gauge: pending rows (not published, not dead-lettered).

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use super::retry::RetrySchedule;
 use super::Template;
 use crate::redact::{HttpUrl, Secret, REDACTED};
 
@@ -31,11 +32,18 @@ pub struct RouteConfig {
     /// Flow-control parallelism sent with ordered events (1 keeps the order).
     #[serde(default, deserialize_with = "at_least_one")]
     pub parallelism: Option<NonZeroU32>,
-    /// Flow-control rate per period for this route's key.
+    /// Requests per `period`: QStash's flow-control rate for this route's
+    /// key on a QStash route; on a webhook route the relay's own pacing
+    /// ([`crate::sink::limits`]).
     #[serde(default)]
     pub rate: Option<u32>,
+    /// One second unless set (webhook routes).
     #[serde(default, with = "humantime_serde")]
     pub period: Option<Duration>,
+    /// Requests in flight at once to a webhook route (QStash routes:
+    /// `parallelism`).
+    #[serde(default, deserialize_with = "at_least_one")]
+    pub concurrency: Option<NonZeroU32>,
     #[serde(default)]
     pub failure_callback: Option<HttpUrl>,
     /// `Upstash-Callback` for an ordered QStash route: where QStash reports
@@ -44,10 +52,12 @@ pub struct RouteConfig {
     /// event goes out only once QStash said the destination took this one.
     #[serde(default)]
     pub callback: Option<HttpUrl>,
-    /// How long a delivery QStash took is held for its callback (QStash's own
-    /// retries of a failing destination included: with 3 retries they take
-    /// about 33 minutes); then it is sent again under the same
-    /// deduplication id, and after `relay.max_attempts` dead-lettered.
+    /// How long a delivery QStash took is held for its callback; each
+    /// "retrying" callback holds it this long again after QStash's next
+    /// attempt is due. Then it is sent again under the same deduplication id,
+    /// and after `relay.max_attempts` dead-lettered. Under
+    /// [`QSTASH_DEDUPLICATION_WINDOW`] by default, so that QStash drops such
+    /// a re-send instead of delivering it again.
     #[serde(default = "default_callback_timeout", with = "humantime_serde")]
     pub callback_timeout: Duration,
     #[serde(default, with = "humantime_serde")]
@@ -58,14 +68,36 @@ pub struct RouteConfig {
     #[serde(default)]
     pub body: BodyShape,
     /// `whsec_…` secret for webhook routes (Standard Webhooks signing); an
-    /// empty one is not set.
+    /// empty one is not set. Several (a list, or separated by spaces) during
+    /// a rotation: every request is signed with each.
     #[serde(default, deserialize_with = "optional_signing_secret")]
     pub signing_secret: Option<SigningSecret>,
+    /// The CloudEvents `source` of a `body = "cloudevents"` (or
+    /// `"cloudevents-binary"`) route; `/outbox-relay` unless set.
+    #[serde(default)]
+    pub cloudevents_source: Option<String>,
+    /// Overrides `relay.max_attempts` for this route.
+    #[serde(default)]
+    pub max_attempts: Option<u32>,
+    /// Overrides `relay.backoff_base` for this route.
+    #[serde(default, with = "humantime_serde")]
+    pub backoff_base: Option<Duration>,
+    /// Overrides `relay.backoff_cap` for this route.
+    #[serde(default, with = "humantime_serde")]
+    pub backoff_cap: Option<Duration>,
+    /// The delay before each retry, in order (`["5s", "1m", "10m", "1h"]`):
+    /// one attempt more than it has delays ([`super::retry`]).
+    #[serde(default)]
+    pub retry_schedule: Option<RetrySchedule>,
 }
 
 fn default_callback_timeout() -> Duration {
-    Duration::from_secs(3600)
+    Duration::from_secs(9 * 60)
 }
+
+/// How long QStash keeps a deduplication id (its documentation): a message
+/// sent again later under the same id is a new message, delivered again.
+pub const QSTASH_DEDUPLICATION_WINDOW: Duration = Duration::from_secs(600);
 
 /// A rule between two keys of a route that does not hold; `key` is the one
 /// to change.
@@ -91,6 +123,24 @@ impl RouteConfig {
             });
         }
         let qstash = self.sink == SinkKind::Qstash;
+        if qstash && self.concurrency.is_some() {
+            return Err(RouteError {
+                key: "concurrency",
+                reason: "is for webhook routes; a QStash route limits its requests in flight with `parallelism` (QStash flow control)",
+            });
+        }
+        if !qstash && self.rate == Some(0) {
+            return Err(RouteError {
+                key: "rate",
+                reason: "must be at least 1 (requests per `period`); leave it out for no limit",
+            });
+        }
+        if !qstash && self.period.is_some_and(|p| p.is_zero()) {
+            return Err(RouteError {
+                key: "period",
+                reason: "must be more than zero",
+            });
+        }
         match (self.ordering, qstash, &self.callback) {
             (Ordering::PartitionKey, true, None) => {
                 return Err(RouteError {
@@ -112,6 +162,26 @@ impl RouteConfig {
                 })
             }
         }
+        if self.body == BodyShape::CloudeventsBinary && self.sink != SinkKind::Webhook {
+            return Err(RouteError {
+                key: "body",
+                reason: "\"cloudevents-binary\" is for webhook routes (its attributes are headers of the request); a QStash route sends body = \"cloudevents\", the structured form",
+            });
+        }
+        if let Some(source) = &self.cloudevents_source {
+            if !self.body.cloudevents() {
+                return Err(RouteError {
+                    key: "cloudevents_source",
+                    reason: "is for routes with body = \"cloudevents\" or \"cloudevents-binary\"",
+                });
+            }
+            if source.is_empty() || source.chars().any(|c| c.is_control() || c.is_whitespace()) {
+                return Err(RouteError {
+                    key: "cloudevents_source",
+                    reason: "must be a URI reference (\"/shop/orders\", \"https://shop.example.com\"): not empty, without spaces or control characters",
+                });
+            }
+        }
         if self.callback_timeout.is_zero() {
             return Err(RouteError {
                 key: "callback_timeout",
@@ -119,6 +189,27 @@ impl RouteConfig {
             });
         }
         Ok(())
+    }
+
+    /// Settings that are allowed but probably wrong: the key and why.
+    pub fn warnings(&self) -> Vec<RouteError> {
+        let mut warnings = Vec::new();
+        if self
+            .callback_hold()
+            .is_some_and(|hold| hold > QSTASH_DEDUPLICATION_WINDOW)
+        {
+            warnings.push(RouteError {
+                key: "callback_timeout",
+                reason: "is longer than QStash's deduplication window (10 minutes): an event whose callback is lost is sent again after QStash has forgotten its deduplication id, so QStash delivers it again as a new message, and the key waits that long for each attempt; 9 minutes (the default) or less lets QStash drop the first re-send. Each callback that says QStash retries holds the key until QStash's next attempt anyway",
+            });
+        }
+        if self.sink == SinkKind::Webhook && self.parallelism.is_some() {
+            warnings.push(RouteError {
+                key: "parallelism",
+                reason: "is QStash flow control and does nothing on a webhook route; limit its requests in flight with `concurrency`",
+            });
+        }
+        warnings
     }
 
     /// How long a delivery QStash took is held for its callback, for a route
@@ -170,6 +261,18 @@ pub enum BodyShape {
     Envelope,
     /// The row's `payload` alone.
     Payload,
+    /// A CloudEvent in the structured JSON form (`application/cloudevents+json`).
+    Cloudevents,
+    /// A CloudEvent in the binary form: the payload, with the attributes in
+    /// `ce-*` headers (webhook routes).
+    #[serde(rename = "cloudevents-binary")]
+    CloudeventsBinary,
+}
+
+impl BodyShape {
+    pub fn cloudevents(self) -> bool {
+        matches!(self, BodyShape::Cloudevents | BodyShape::CloudeventsBinary)
+    }
 }
 
 /// The event types a route takes: `*`, a prefix (`order.*` takes every type
@@ -269,28 +372,62 @@ impl<'de> Deserialize<'de> for HttpMethod {
     }
 }
 
-/// A webhook route's `whsec_…` secret (Standard Webhooks), decoded to its
-/// key when read. It never prints: `Debug` and `Serialize` show `<redacted>`.
+/// A webhook route's `whsec_…` secrets (Standard Webhooks), decoded to
+/// their keys when read: one, or several during a rotation (the current one
+/// first). Each request carries a signature by every one of them, so a
+/// receiver that knows any of them accepts it. They never print: `Debug` and
+/// `Serialize` show `<redacted>`.
 #[derive(Clone, PartialEq, Eq)]
 pub struct SigningSecret {
-    key: Vec<u8>,
+    keys: Vec<Vec<u8>>,
 }
 
 impl SigningSecret {
     pub fn new(secret: &Secret) -> Result<SigningSecret, String> {
-        let s = secret.expose();
-        if !s.starts_with(outbox_client::signing::SECRET_PREFIX) {
-            return Err("must start with `whsec_`".to_owned());
-        }
-        outbox_client::signing::decode_secret(s)
-            .map(|key| SigningSecret { key })
-            .map_err(|e| e.to_string())
+        Ok(SigningSecret {
+            keys: vec![decode(secret)?],
+        })
     }
 
-    /// The HMAC key the requests are signed with.
-    pub fn key(&self) -> &[u8] {
-        &self.key
+    /// Several secrets, the current one first; at least one.
+    pub fn several(secrets: &[Secret]) -> Result<SigningSecret, String> {
+        if secrets.is_empty() {
+            return Err("needs at least one secret".to_owned());
+        }
+        let n = secrets.len();
+        let keys = secrets
+            .iter()
+            .enumerate()
+            .map(|(i, secret)| {
+                decode(secret).map_err(|e| {
+                    if n == 1 {
+                        e
+                    } else {
+                        format!("secret {} of {n}: {e}", i + 1)
+                    }
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(SigningSecret { keys })
     }
+
+    /// The HMAC key of the current (first) secret.
+    pub fn key(&self) -> &[u8] {
+        &self.keys[0]
+    }
+
+    /// Every secret's HMAC key, the current one first.
+    pub fn keys(&self) -> &[Vec<u8>] {
+        &self.keys
+    }
+}
+
+fn decode(secret: &Secret) -> Result<Vec<u8>, String> {
+    let s = secret.expose();
+    if !s.starts_with(outbox_client::signing::SECRET_PREFIX) {
+        return Err("must start with `whsec_`".to_owned());
+    }
+    outbox_client::signing::decode_secret(s).map_err(|e| e.to_string())
 }
 
 impl fmt::Debug for SigningSecret {
@@ -305,16 +442,40 @@ impl Serialize for SigningSecret {
     }
 }
 
-/// An empty secret (or none) is not set; any other must decode.
+/// One secret, several separated by spaces, or a list of them; an empty
+/// string or list (or none) is not set; any other secret must decode.
 fn optional_signing_secret<'de, D: Deserializer<'de>>(
     d: D,
 ) -> Result<Option<SigningSecret>, D::Error> {
-    match Option::<Secret>::deserialize(d)? {
-        Some(secret) if !secret.is_empty() => SigningSecret::new(&secret)
-            .map(Some)
-            .map_err(serde::de::Error::custom),
-        _ => Ok(None),
+    /// Refused without echoing what it was (it may be a secret).
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        One(String),
+        Many(Vec<String>),
+        Other(serde::de::IgnoredAny),
     }
+    let texts: Vec<String> = match Option::<Raw>::deserialize(d)? {
+        None => return Ok(None),
+        Some(Raw::One(s)) => s.split_whitespace().map(str::to_owned).collect(),
+        Some(Raw::Many(list)) => list,
+        Some(Raw::Other(_)) => {
+            return Err(serde::de::Error::custom(
+                "must be a `whsec_…` secret, several separated by spaces, or a list of them",
+            ))
+        }
+    };
+    if texts.is_empty() {
+        return Ok(None);
+    }
+    let secrets = texts
+        .iter()
+        .map(|t| t.parse::<Secret>())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(serde::de::Error::custom)?;
+    SigningSecret::several(&secrets)
+        .map(Some)
+        .map_err(serde::de::Error::custom)
 }
 
 fn at_least_one<'de, D: Deserializer<'de>>(d: D) -> Result<Option<NonZeroU32>, D::Error> {

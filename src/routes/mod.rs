@@ -3,6 +3,7 @@
 //! The `[[routes]]` section of the configuration is in [`config`].
 
 pub mod config;
+pub mod retry;
 
 use std::fmt;
 
@@ -12,6 +13,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 pub use self::config::{
     BodyShape, EventPattern, HttpMethod, Ordering, RouteConfig, RouteError, SigningSecret, SinkKind,
 };
+pub use self::retry::{RetryPolicy, RetrySchedule};
 
 /// What a value substituted into a URL may keep unescaped (RFC 3986 unreserved).
 const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC
@@ -198,19 +200,39 @@ impl Router {
     }
 
     /// SQL `LIKE` patterns covering every event type that may be routed to an
-    /// ordered route. Used by the claim to keep keys in order; it errs on the
-    /// side of ordering (a type also matched by an earlier unordered route
-    /// is still held in order).
-    pub(crate) fn ordered_like_patterns(&self) -> Vec<String> {
+    /// ordered route (`dlq replay` checks key order for them). It errs on the
+    /// side of ordering: a type an earlier unordered route takes is included.
+    pub fn ordered_like_patterns(&self) -> Vec<String> {
         self.routes
             .iter()
             .filter(|r| r.ordered())
-            .map(|r| match &r.config.event_type {
-                EventPattern::All => "%".to_owned(),
-                EventPattern::Prefix(prefix) => format!("{}%", escape_like(prefix)),
-                EventPattern::Exact(exact) => escape_like(exact),
-            })
+            .map(|r| r.config.event_type.like())
             .collect()
+    }
+}
+
+impl EventPattern {
+    /// The event types this pattern matches, as an SQL `LIKE` pattern.
+    pub(crate) fn like(&self) -> String {
+        match self {
+            EventPattern::All => "%".to_owned(),
+            EventPattern::Prefix(prefix) => format!("{}%", escape_like(prefix)),
+            EventPattern::Exact(exact) => escape_like(exact),
+        }
+    }
+
+    /// Does this pattern match every type `other` matches? (A route behind
+    /// one that covers it never gets an event.)
+    pub(crate) fn covers(&self, other: &EventPattern) -> bool {
+        match (self, other) {
+            (EventPattern::All, _) => true,
+            (_, EventPattern::All) => false,
+            (EventPattern::Prefix(p), EventPattern::Prefix(o) | EventPattern::Exact(o)) => {
+                o.starts_with(p.as_str())
+            }
+            (EventPattern::Exact(e), EventPattern::Exact(o)) => e == o,
+            (EventPattern::Exact(_), EventPattern::Prefix(_)) => false,
+        }
     }
 }
 
@@ -261,7 +283,7 @@ mod tests {
     }
 
     #[test]
-    fn first_matching_route_wins_and_patterns_cover_ordered_routes() {
+    fn first_matching_route_wins_and_patterns_cover_one_another() {
         let toml = r#"
             [[routes]]
             event_type = "order.placed"
@@ -274,16 +296,21 @@ mod tests {
             event_type = "*"
             destination = "https://a.example/all"
         "#;
-        let routes: Vec<RouteConfig> = figment::Figment::from(
-            <figment::providers::Toml as figment::providers::Format>::string(toml),
-        )
-        .extract_inner("routes")
-        .unwrap();
-        let router = Router::new(&routes);
+        let router = Router::new(&crate::testing::routes(toml));
         assert_eq!(router.route("order.placed").unwrap().index, 0);
         assert_eq!(router.route("order.shipped").unwrap().index, 1);
         assert_eq!(router.route("user.created").unwrap().index, 2);
-        assert_eq!(router.ordered_like_patterns(), vec!["order.%".to_owned()]);
+        let like: Vec<String> = router
+            .routes()
+            .iter()
+            .map(|r| r.config.event_type.like())
+            .collect();
+        assert_eq!(like, ["order.placed", "order.%", "%"]);
+        let p = |s: &str| EventPattern::parse(s).unwrap();
+        assert!(p("order.*").covers(&p("order.placed")) && p("*").covers(&p("order.*")));
+        assert!(p("order.*").covers(&p("order.x.*")) && !p("order.x.*").covers(&p("order.*")));
+        assert!(!p("order.placed").covers(&p("order.*")) && !p("order.*").covers(&p("*")));
+        assert!(!p("order.*").covers(&p("audit.*")) && p("a.b").covers(&p("a.b")));
     }
 
     #[test]
@@ -358,7 +385,7 @@ mod tests {
         let r = route(json!({"ordering": "partition_key", "callback": cb})).unwrap();
         assert_eq!(
             r.callback_hold(),
-            Some(std::time::Duration::from_secs(3600))
+            Some(std::time::Duration::from_secs(9 * 60))
         );
         let r = route(json!({"ordering": "partition_key_to_qstash"})).unwrap();
         assert!(r.ordering.per_key() && r.callback_hold().is_none());

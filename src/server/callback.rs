@@ -19,6 +19,7 @@
 //! late report never touches a row that was replayed since.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -36,7 +37,7 @@ use tokio::sync::Semaphore;
 use metrics::counter;
 
 use crate::metrics as m;
-use crate::store::outbox::{DeliveryOutcome, ReportedDead, ReportedOutcome};
+use crate::store::callbacks::{DeliveryOutcome, ReportedDead, ReportedOutcome};
 use crate::store::{Store, StoreError};
 use outbox_client::consumer::qstash::{SignatureError, Verifier};
 
@@ -46,6 +47,10 @@ pub const CALLBACK_PATH: &str = "/qstash/callback";
 /// `last_error` keeps this many characters of the destination's answer.
 pub(crate) const MAX_ERROR_BODY_CHARS: usize = 2000;
 
+/// The `outcome` label values of the delivery callbacks' counter: each
+/// [`Verdict`], and `stale`.
+pub(crate) const CALLBACK_OUTCOMES: [&str; 4] = ["delivered", "retrying", "failed", "stale"];
+
 /// Reports carry the original message and the response, both base64: room
 /// for a 1 MB message and a 1 MB response.
 pub(crate) const DEFAULT_MAX_REPORT_BYTES: usize = 4 * 1024 * 1024;
@@ -53,8 +58,15 @@ pub(crate) const DEFAULT_MAX_REPORT_BYTES: usize = 4 * 1024 * 1024;
 /// How long a client may take to send a report's body.
 pub(crate) const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Reports handled at once; more are answered 503 (QStash retries them).
+/// Reports handled at once; more wait for a slot ([`DEFAULT_SLOT_WAIT`]).
 pub(crate) const DEFAULT_MAX_CONCURRENT: usize = 8;
+
+/// How long a report waits for a slot before it is answered 503 (QStash
+/// retries it). A burst of callbacks (one per key an ordered route has out)
+/// queues for the few milliseconds each write takes instead of being turned
+/// away, which would leave its row held until QStash's retry of the callback,
+/// or, once those run out, until the route's `callback_timeout`.
+pub(crate) const DEFAULT_SLOT_WAIT: Duration = Duration::from_secs(5);
 
 /// Connections open at once; more wait to be accepted.
 pub(crate) const DEFAULT_MAX_CONNECTIONS: usize = 64;
@@ -75,7 +87,7 @@ const KEY_HEADERS: &[&str] = &["x-outbox-idempotency-key", "upstash-deduplicatio
 // (QStash retries callbacks) keeps the first dead-letter time. Answers the
 // row's current key and whether it was marked; no row when the id is unknown.
 /// How the listener guards itself before a report is verified.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct CallbackOptions {
     /// The URLs QStash calls the failure endpoint at (the routes'
     /// `failure_callback`): the signature's `sub` must be one of them. None
@@ -83,20 +95,27 @@ pub struct CallbackOptions {
     pub urls: Vec<String>,
     /// The same for delivery callbacks (the routes' `callback`).
     pub callback_urls: Vec<String>,
-    /// How much longer a row stays held when a callback says QStash will try
-    /// the destination again (the longest of the routes' `callback_timeout`).
+    /// How much longer a row stays held after QStash's next attempt when a
+    /// callback says QStash will try the destination again (the longest of
+    /// the routes' `callback_timeout`).
     pub hold: Duration,
     /// A longer body is refused (413) without being read to its end.
     pub max_body_bytes: usize,
     /// The whole body must arrive within this (else 408).
     pub read_timeout: Duration,
-    /// Reports handled at once; more get 503 with `Retry-After`.
+    /// Reports handled at once; more wait up to `slot_wait` for a slot,
+    /// then get 503 with `Retry-After`.
     pub max_concurrent: usize,
+    /// How long a report waits for one of the `max_concurrent` slots.
+    pub slot_wait: Duration,
     /// Connections open at once ([`serve`]); more wait to be accepted.
     pub max_connections: usize,
     /// A connection that sends and receives nothing for this long is closed
     /// ([`serve`]), headers not yet complete included.
     pub idle_timeout: Duration,
+    /// Rows this listener dead-lettered (a failure report, or a delivery
+    /// callback on QStash's last failed attempt); `drain` reports them.
+    pub dead_lettered: Arc<AtomicU64>,
 }
 
 impl CallbackOptions {
@@ -105,12 +124,14 @@ impl CallbackOptions {
         CallbackOptions {
             urls: urls.into_iter().map(Into::into).collect(),
             callback_urls: Vec::new(),
-            hold: Duration::from_secs(3600),
+            hold: Duration::from_secs(9 * 60),
             max_body_bytes: DEFAULT_MAX_REPORT_BYTES,
             read_timeout: DEFAULT_READ_TIMEOUT,
             max_concurrent: DEFAULT_MAX_CONCURRENT,
+            slot_wait: DEFAULT_SLOT_WAIT,
             max_connections: DEFAULT_MAX_CONNECTIONS,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            dead_lettered: Arc::default(),
         }
     }
 }
@@ -287,7 +308,9 @@ async fn record_failure(state: &CallbackState, request: Request) -> Result<i64, 
         .await
         .map_err(Rejection::Database)?;
     match marked {
-        ReportedDead::Marked => {}
+        ReportedDead::Marked => {
+            state.options.dead_lettered.fetch_add(1, Ordering::Relaxed);
+        }
         ReportedDead::Unknown => return Err(Rejection::UnknownRow(report.outbox_id)),
         ReportedDead::Replaced { current } => {
             return Err(Rejection::Stale(format!(
@@ -336,8 +359,9 @@ async fn record_outcome(
     let report = parse_delivery_report(&body).map_err(|e| Rejection::BadReport(e.0))?;
     let outcome = match report.verdict {
         Verdict::Delivered => DeliveryOutcome::Delivered,
+        // Held until QStash's next attempt, and its callback's wait after it.
         Verdict::Retrying => DeliveryOutcome::Retrying {
-            hold: state.options.hold,
+            hold: qstash_next_attempt_in(report.retried) + state.options.hold,
         },
         Verdict::Failed => DeliveryOutcome::Failed,
     };
@@ -352,10 +376,12 @@ async fn record_outcome(
         .await
         .map_err(Rejection::Database)?;
     let label = report.verdict.as_str();
+    debug_assert!(CALLBACK_OUTCOMES.contains(&label));
     match marked {
         ReportedOutcome::Marked => {
             counter!(m::CALLBACKS, "outcome" => label).increment(1);
             if report.verdict == Verdict::Failed {
+                state.options.dead_lettered.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(id = report.outbox_id, status = report.status, error = %report.last_error, "QStash's last delivery attempt failed; dead-lettered");
             }
             Ok((report.outbox_id, label))
@@ -370,17 +396,16 @@ async fn record_outcome(
     }
 }
 
-/// A request slot (refused when all are taken) and the verified body: the
-/// slot is held while the report is written.
+/// A request slot (refused when none frees within `slot_wait`) and the
+/// verified body: the slot is held while the report is written.
 async fn take_verified(
     state: &CallbackState,
     urls: &[String],
     request: Request,
 ) -> Result<(tokio::sync::OwnedSemaphorePermit, bytes::Bytes), Rejection> {
-    let slot = state
-        .slots
-        .clone()
-        .try_acquire_owned()
+    let slot = tokio::time::timeout(state.options.slot_wait, state.slots.clone().acquire_owned())
+        .await
+        .map_err(|_| Rejection::Busy)?
         .map_err(|_| Rejection::Busy)?;
     let (parts, body) = request.into_parts();
     let body = read_verified(state, urls, &parts.headers, body).await?;
@@ -516,8 +541,20 @@ pub struct ParsedOutcome {
     pub deduplication_id: String,
     pub status: u16,
     pub verdict: Verdict,
+    /// Retries QStash made so far (`retried`), when the report says.
+    pub retried: Option<u32>,
     /// What goes into the row's `last_error` when it was not delivered.
     pub last_error: String,
+}
+
+/// How long QStash waits after retry number `retried` before its next
+/// attempt, by its default schedule (the relay sends no
+/// `Upstash-Retry-Delay`): e^(2.5·n) seconds for retry n, at most a day
+/// (12 s, 2 min 28 s, 30 min, 6 h, then a day). A report without `retried`
+/// counts as the first failure.
+pub(crate) fn qstash_next_attempt_in(retried: Option<u32>) -> Duration {
+    let n = retried.unwrap_or(0).saturating_add(1).min(100);
+    Duration::from_secs_f64((2.5 * f64::from(n)).exp().min(86_400.0))
 }
 
 /// Parses a delivery callback's body (the signature is checked elsewhere):
@@ -561,6 +598,7 @@ pub fn parse_delivery_report(body: &[u8]) -> Result<ParsedOutcome, ReportError> 
         deduplication_id,
         status: report.status,
         verdict,
+        retried: report.retried,
         last_error,
     })
 }
@@ -700,6 +738,22 @@ mod tests {
             "body": STANDARD.encode(b"answer"),
             "sourceHeader": {"X-Outbox-Id": ["7"], "X-Outbox-Idempotency-Key": ["k-7"]}
         })
+    }
+
+    /// A "retrying" callback holds the row past QStash's next attempt, so a
+    /// short `callback_timeout` does not run out while QStash waits 30
+    /// minutes before its third retry (and re-send a second copy).
+    #[test]
+    fn a_retrying_callback_holds_until_after_qstashs_next_attempt() {
+        let secs = |retried| qstash_next_attempt_in(retried).as_secs();
+        assert_eq!(secs(None), 12);
+        assert_eq!(secs(Some(0)), 12);
+        assert_eq!(secs(Some(1)), 148);
+        assert_eq!(secs(Some(2)), 1808);
+        assert_eq!(secs(Some(3)), 22026);
+        assert_eq!(secs(Some(4)), 86_400);
+        assert_eq!(secs(Some(u32::MAX)), 86_400);
+        assert_eq!(delivery(about(503, 2)).unwrap().retried, Some(2));
     }
 
     #[test]

@@ -205,7 +205,8 @@ pub(crate) async fn sample_forever(
                     checked_at: Some(Instant::now()),
                 }
             }
-            Ok(Err(e)) => unreachable_db(format!("database: {e}"), progress),
+            // The store's errors say "database: …" themselves.
+            Ok(Err(e)) => unreachable_db(e.to_string(), progress),
             Err(_) => unreachable_db("database did not answer in time".into(), progress),
         };
         *readiness.lock().expect("readiness lock") = next;
@@ -247,6 +248,42 @@ fn record_snapshot(s: &Snapshot) {
 mod tests {
     use super::*;
     use std::sync::atomic::Ordering::Relaxed;
+
+    /// A database the pool cannot connect to: `/readyz` says why (the
+    /// attempt's own error), not only that the pool timed out.
+    #[tokio::test]
+    async fn readiness_names_why_the_database_cannot_be_reached() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
+        let store = Store::open(&url, 2, Duration::from_millis(300)).unwrap();
+        let readiness = Arc::new(Mutex::new(Readiness::default()));
+        let sampler = tokio::spawn(sample_forever(
+            store,
+            Arc::new(Counters::default()),
+            Arc::clone(&readiness),
+            Duration::from_millis(100),
+            Duration::from_secs(300),
+        ));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let r = loop {
+            let r = readiness.lock().unwrap().clone();
+            if r.checked_at.is_some() || Instant::now() > deadline {
+                break r;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        sampler.abort();
+        assert!(!r.ready && !r.database, "{r:?}");
+        assert!(
+            r.reason.to_lowercase().contains("connection refused")
+                && !r.reason.starts_with("database: database"),
+            "{r:?}"
+        );
+    }
 
     #[test]
     fn a_slow_snapshot_spaces_the_next_and_is_not_called_unresponsive() {

@@ -29,6 +29,9 @@ pub struct HttpConfig {
     /// message limit on the smallest plan is 1 MB).
     pub max_message_bytes: usize,
     pub pool_idle_timeout_secs: u64,
+    /// `[[http.hosts]]`: limits per destination host, shared by every
+    /// webhook route sending there ([`super::limits`]).
+    pub hosts: Vec<super::limits::HostLimit>,
 }
 
 impl Default for HttpConfig {
@@ -39,6 +42,7 @@ impl Default for HttpConfig {
             max_response_bytes: 64 * 1024,
             max_message_bytes: 1024 * 1024,
             pool_idle_timeout_secs: 30,
+            hosts: Vec::new(),
         }
     }
 }
@@ -85,24 +89,31 @@ pub struct HttpClient {
     max_response_bytes: usize,
 }
 
+/// HTTP and HTTPS (the web's roots), HTTP/1.1 and HTTP/2, no delay, TCP
+/// keepalive: the relay's connections to sinks and to the trace collector.
+pub(crate) fn https_connector(
+    connect_timeout: Duration,
+) -> hyper_rustls::HttpsConnector<HttpConnector> {
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_connect_timeout(Some(connect_timeout));
+    http.set_nodelay(true);
+    http.set_keepalive(Some(Duration::from_secs(60)));
+    let roots = rustls::RootCertStore::from_iter(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    let tls = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .enable_http2()
+        .wrap_connector(http)
+}
+
 impl HttpClient {
     pub fn new(config: &HttpConfig) -> HttpClient {
-        let mut http = HttpConnector::new();
-        http.enforce_http(false);
-        http.set_connect_timeout(Some(config.connect_timeout));
-        http.set_nodelay(true);
-        http.set_keepalive(Some(Duration::from_secs(60)));
-        let roots =
-            rustls::RootCertStore::from_iter(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
-        let tls = rustls::ClientConfig::builder()
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        let https = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
-            .https_or_http()
-            .enable_http1()
-            .enable_http2()
-            .wrap_connector(http);
+        let https = https_connector(config.connect_timeout);
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(config.pool_idle_timeout_secs))
             .pool_timer(TokioTimer::new())
@@ -181,8 +192,12 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     text
 }
 
+/// The `sink` label values of the request duration.
+pub(crate) const SINK_LABELS: [&str; 3] = ["qstash_publish", "qstash_batch", "webhook"];
+
 /// Records how long a sink request took (a timeout counts as its limit).
 pub(crate) fn record_request(sink: &'static str, result: &Result<Response, TransportError>) {
+    debug_assert!(SINK_LABELS.contains(&sink), "{sink}");
     let elapsed = match result {
         Ok(r) => r.elapsed,
         Err(TransportError::Timeout(d)) => *d,

@@ -3,7 +3,9 @@
 //! answers into one [`Outcome`] per row; it never touches the database.
 
 pub mod breaker;
+pub mod cloudevents;
 pub mod http;
+pub mod limits;
 pub mod qstash;
 pub mod webhook;
 
@@ -57,6 +59,19 @@ pub enum RetryReason {
 }
 
 impl RetryReason {
+    /// Every reason: the label values the metrics export from start.
+    pub(crate) const ALL: [RetryReason; 9] = [
+        RetryReason::ServerError,
+        RetryReason::RateLimited,
+        RetryReason::Timeout,
+        RetryReason::Connect,
+        RetryReason::Network,
+        RetryReason::Unauthorized,
+        RetryReason::BatchElement,
+        RetryReason::UnreadableAnswer,
+        RetryReason::Redirect,
+    ];
+
     pub fn as_str(&self) -> &'static str {
         match self {
             RetryReason::ServerError => "server_error",
@@ -91,6 +106,16 @@ pub enum DeadReason {
 }
 
 impl DeadReason {
+    /// Every reason: the label values the metrics export from start.
+    pub(crate) const ALL: [DeadReason; 6] = [
+        DeadReason::Rejected,
+        DeadReason::TooLarge,
+        DeadReason::NoRoute,
+        DeadReason::BadDestination,
+        DeadReason::Exhausted,
+        DeadReason::Unanswered,
+    ];
+
     /// The sink answered about this message (rather than the relay giving up
     /// on it before sending).
     pub(crate) fn reached_sink(&self) -> bool {
@@ -252,8 +277,26 @@ pub(crate) fn transport_outcome(e: &TransportError) -> Outcome {
 pub fn body(route: &Route, row: &OutboxRow) -> Vec<u8> {
     match route.config.body {
         BodyShape::Envelope => row.envelope(),
-        BodyShape::Payload => row.payload.clone().into_bytes(),
+        BodyShape::Payload | BodyShape::CloudeventsBinary => row.payload.clone().into_bytes(),
+        BodyShape::Cloudevents => cloudevents::structured(row, cloudevents_source(route)),
     }
+}
+
+/// The `content-type` of the body a route sends.
+pub fn content_type(route: &Route) -> &'static str {
+    match route.config.body {
+        BodyShape::Cloudevents => cloudevents::STRUCTURED_CONTENT_TYPE,
+        _ => "application/json",
+    }
+}
+
+/// The CloudEvents `source` of a route's events.
+pub(crate) fn cloudevents_source(route: &Route) -> &str {
+    route
+        .config
+        .cloudevents_source
+        .as_deref()
+        .unwrap_or(cloudevents::DEFAULT_SOURCE)
 }
 
 /// The route's destination for a row, checked to be a URL.
@@ -288,11 +331,19 @@ pub(crate) struct Sinks {
     pub qstash: qstash::QstashSink,
     pub max_message_bytes: usize,
     pub breakers: std::sync::Arc<breaker::Breakers>,
+    /// Webhook routes' and destination hosts' limits.
+    pub limits: limits::Limits,
 }
 
 impl Sinks {
-    /// Delivers rows that all belong to `route`; one outcome per row, in order.
-    pub(crate) async fn deliver(&self, route: &Route, rows: &[OutboxRow]) -> Vec<Outcome> {
+    /// Delivers rows that all belong to `route`, each when its ticket says
+    /// (webhook routes, [`limits`]); one outcome per row, in order.
+    pub(crate) async fn deliver(
+        &self,
+        route: &Route,
+        rows: &[OutboxRow],
+        tickets: Vec<limits::Ticket>,
+    ) -> Vec<Outcome> {
         match route.config.sink {
             SinkKind::Qstash => {
                 self.qstash
@@ -300,7 +351,8 @@ impl Sinks {
                     .await
             }
             SinkKind::Webhook => {
-                webhook::deliver(&self.client, route, rows, self.max_message_bytes).await
+                webhook::deliver_paced(&self.client, route, rows, self.max_message_bytes, tickets)
+                    .await
             }
         }
     }

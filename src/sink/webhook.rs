@@ -1,8 +1,9 @@
 //! The webhook sink: POSTs the event straight to a URL, signed with Standard
 //! Webhooks (<https://www.standardwebhooks.com>, [`outbox_client::signing`])
-//! so the receiver can verify it came from us. The key is the route's
+//! so the receiver can verify it came from us. The keys are the route's
 //! `signing_secret` ([`crate::routes::SigningSecret`]), decoded when the
-//! configuration is read.
+//! configuration is read: several during a rotation, each signing every
+//! request.
 
 use bytes::Bytes;
 use futures_util::future::join_all;
@@ -13,8 +14,9 @@ use outbox_client::row::OutboxRow;
 use outbox_client::signing::sign;
 
 use super::http::HttpClient;
+use super::limits::Ticket;
 use super::{classify, transport_outcome, DeadReason, Outcome};
-use crate::routes::Route;
+use crate::routes::{BodyShape, Route};
 
 /// POSTs each row to the route's URL, signed; one outcome per row, in order.
 /// The relay does the retries (no QStash in between).
@@ -24,18 +26,34 @@ pub async fn deliver(
     rows: &[OutboxRow],
     max_message_bytes: usize,
 ) -> Vec<Outcome> {
-    let key = route
+    let tickets = rows.iter().map(|_| Ticket::now()).collect();
+    deliver_paced(client, route, rows, max_message_bytes, tickets).await
+}
+
+/// [`deliver`], each row sent at its ticket's time and holding the ticket's
+/// request slots until its answer is in ([`super::limits`]).
+pub(crate) async fn deliver_paced(
+    client: &HttpClient,
+    route: &Route,
+    rows: &[OutboxRow],
+    max_message_bytes: usize,
+    tickets: Vec<Ticket>,
+) -> Vec<Outcome> {
+    let keys = route
         .config
         .signing_secret
         .as_ref()
-        .map(|s| s.key())
+        .map(|s| s.keys())
         .unwrap_or_default();
-    join_all(rows.iter().map(|row| async move {
-        let request = match request(route, row, key, max_message_bytes) {
+    join_all(rows.iter().zip(tickets).map(|(row, ticket)| async move {
+        // Signed when it goes, so its timestamp is the sending time.
+        tokio::time::sleep_until(ticket.at.into()).await;
+        let request = match signed_request(route, row, keys, max_message_bytes) {
             Ok(r) => r,
             Err(outcome) => return outcome,
         };
         let result = client.send(request).await;
+        drop(ticket);
         super::http::record_request("webhook", &result);
         match result {
             Ok(response) => classify(&response),
@@ -45,11 +63,24 @@ pub async fn deliver(
     .await
 }
 
-/// The signed request for one row.
+/// The request for one row, signed with `key`.
 pub fn request(
     route: &Route,
     row: &OutboxRow,
     key: &[u8],
+    max_message_bytes: usize,
+) -> Result<Request<Full<Bytes>>, Outcome> {
+    signed_request(route, row, &[key], max_message_bytes)
+}
+
+/// The request for one row, signed with each of `keys` (the route's
+/// secrets during a rotation): `webhook-signature` holds one `v1,…` entry
+/// per key, separated by spaces, as Standard Webhooks allows, so a receiver
+/// that knows any one of the secrets accepts it.
+pub fn signed_request<K: AsRef<[u8]>>(
+    route: &Route,
+    row: &OutboxRow,
+    keys: &[K],
     max_message_bytes: usize,
 ) -> Result<Request<Full<Bytes>>, Outcome> {
     let url = super::destination(route, row)?;
@@ -68,7 +99,10 @@ pub fn request(
     let id = row.id.to_string();
     let mut request = Request::builder().method(method).uri(&url);
     let headers = request.headers_mut().expect("a fresh builder");
-    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static(super::content_type(route)),
+    );
     headers.insert(USER_AGENT, HeaderValue::from_static("outbox-relay"));
     // A row's header replaces ours of the same name (content-type, user-agent)
     // rather than adding a second one; the signature's headers, the event id
@@ -86,26 +120,39 @@ pub fn request(
         }
         headers.insert(name, value);
     }
-    let signed = [
-        ("webhook-id", row.idempotency_key.clone()),
-        ("webhook-timestamp", timestamp.to_string()),
+    let mut ours: Vec<(String, String)> = vec![
+        ("webhook-id".into(), row.idempotency_key.clone()),
+        ("webhook-timestamp".into(), timestamp.to_string()),
         (
-            "webhook-signature",
-            sign(key, &row.idempotency_key, timestamp, &body),
+            "webhook-signature".into(),
+            keys.iter()
+                .map(|key| sign(key.as_ref(), &row.idempotency_key, timestamp, &body))
+                .collect::<Vec<_>>()
+                .join(" "),
         ),
-        ("x-outbox-id", id.clone()),
-        ("x-event-id", id),
+        ("x-outbox-id".into(), id.clone()),
+        ("x-event-id".into(), id),
     ];
-    for (name, value) in signed {
-        match HeaderValue::from_str(&value) {
-            Ok(v) => {
-                headers.insert(name, v);
+    // A CloudEvent's attributes are the relay's, as its signature is.
+    if route.config.body == BodyShape::CloudeventsBinary {
+        ours.extend(super::cloudevents::binary_headers(
+            row,
+            super::cloudevents_source(route),
+        ));
+    }
+    for (name, value) in ours {
+        match (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_str(&value),
+        ) {
+            (Ok(n), Ok(v)) => {
+                headers.insert(n, v);
             }
-            Err(e) => {
+            (_, Err(_)) | (Err(_), _) => {
                 return Err(Outcome::Dead {
                     reason: DeadReason::BadDestination,
                     error: super::truncate(
-                        format!("cannot send header `{name}`: {e}"),
+                        format!("cannot send header `{name}`: not a valid header value"),
                         super::MAX_ERROR_CHARS,
                     ),
                 })

@@ -22,6 +22,12 @@ pub struct Selection {
     /// Dead-lettered before.
     pub until: Option<DateTime<Utc>>,
     pub all: bool,
+    /// SQL `LIKE` patterns of the event types that ordered routes take
+    /// (`Router::ordered_like_patterns`): a replay of such a row must not
+    /// reach the destination after a newer event of its key.
+    pub ordered: Vec<String>,
+    /// Replay such rows even so.
+    pub allow_reorder: bool,
 }
 
 impl Selection {
@@ -66,7 +72,8 @@ macro_rules! replay_resets {
     attempt_count = 0,
     locked_until = NULL,
     accepted_at = NULL,
-    last_error = NULL"
+    last_error = NULL,
+    attempt_log = NULL"
     };
 }
 
@@ -80,6 +87,28 @@ LIMIT $5"
 );
 
 const COUNT: &str = concat!("SELECT count(*) FROM outbox WHERE ", dead_rows_where!());
+
+/// The keys of chosen dead rows of ordered routes (`$5`: their event types'
+/// `LIKE` patterns) that have a newer row the destination (or QStash)
+/// took already: replayed, they would arrive after it. With how many such
+/// rows each.
+const OVERTAKEN: &str = concat!(
+    "SELECT d.partition_key, count(*)
+FROM outbox d
+WHERE ",
+    dead_rows_where!(),
+    "
+  AND d.event_type LIKE ANY($5::text[])
+  AND EXISTS (
+    SELECT 1 FROM outbox n
+    WHERE n.partition_key = d.partition_key AND n.id > d.id
+      AND (n.published_at IS NOT NULL OR n.accepted_at IS NOT NULL))
+GROUP BY d.partition_key
+ORDER BY d.partition_key"
+);
+
+/// Keys named in a refusal; the rest are counted.
+const KEYS_NAMED: usize = 10;
 
 // Every column, in table order, whatever columns later migrations add.
 const SHOW: &str = "SELECT f.key, f.value
@@ -272,9 +301,42 @@ impl Store {
         Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
     }
 
+    /// The keys (with how many rows each) of the chosen dead rows of ordered
+    /// routes that a newer event of their key, already delivered, would
+    /// overtake if they were replayed.
+    pub async fn overtaken_keys(
+        &self,
+        selector: &Selection,
+    ) -> Result<Vec<(String, i64)>, StoreError> {
+        selector.check()?;
+        if selector.ordered.is_empty() {
+            return Ok(Vec::new());
+        }
+        let filter = FilterParams::of(selector);
+        let rows = self
+            .conn()
+            .await?
+            .query_typed(
+                OVERTAKEN,
+                &filter.with(&[(&selector.ordered, Type::TEXT_ARRAY)]),
+            )
+            .await?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    }
+
     /// Puts the chosen dead rows back to pending with new idempotency keys.
+    /// A row goes back as its key's oldest pending row, so on an ordered
+    /// route it is delivered before the key's newer pending events; when a
+    /// newer event of its key was delivered already, the replay is refused
+    /// (naming the keys) unless `allow_reorder` says otherwise.
     pub async fn replay_dead(&self, selector: &Selection) -> Result<Vec<Replayed>, StoreError> {
         selector.check()?;
+        if !selector.allow_reorder {
+            let overtaken = self.overtaken_keys(selector).await?;
+            if !overtaken.is_empty() {
+                return Err(StoreError::Refused(overtaken_refusal(&overtaken)));
+            }
+        }
         let mut conn = self.conn().await?;
         let client: &mut Client = &mut conn;
         let filter = FilterParams::of(selector);
@@ -350,6 +412,23 @@ impl Store {
     }
 }
 
+/// Why a replay that would reorder keys is refused.
+fn overtaken_refusal(overtaken: &[(String, i64)]) -> String {
+    let rows: i64 = overtaken.iter().map(|(_, n)| n).sum();
+    let mut keys: Vec<String> = overtaken
+        .iter()
+        .take(KEYS_NAMED)
+        .map(|(key, n)| format!("{key} ({n})"))
+        .collect();
+    if overtaken.len() > KEYS_NAMED {
+        keys.push(format!("and {} more keys", overtaken.len() - KEYS_NAMED));
+    }
+    format!(
+        "{rows} dead rows of ordered routes would reach the destination after newer events of their key that were delivered already: {}; leave them out (--id, --event-type, --since/--until) or pass --allow-reorder",
+        keys.join(", ")
+    )
+}
+
 async fn replay_batch_one_by_one(
     tx: &tokio_postgres::Transaction<'_>,
     filter: &FilterParams,
@@ -419,6 +498,19 @@ mod tests {
         assert_eq!(split_replay_key("order-1:replay:3"), ("order-1", 3));
         assert_eq!(split_replay_key("a:replay:x"), ("a:replay:x", 0));
         assert_eq!(split_replay_key("a:replay:"), ("a:replay:", 0));
+    }
+
+    #[test]
+    fn a_refusal_names_the_keys_and_counts_the_rest() {
+        let overtaken: Vec<(String, i64)> = (0..12).map(|i| (format!("order:k{i}"), 2)).collect();
+        let why = overtaken_refusal(&overtaken);
+        assert!(why.starts_with("24 dead rows"), "{why}");
+        assert!(why.contains("order:k0 (2), order:k1 (2)"), "{why}");
+        assert!(!why.contains("order:k10"), "{why}");
+        assert!(
+            why.contains("and 2 more keys") && why.contains("--allow-reorder"),
+            "{why}"
+        );
     }
 
     #[test]

@@ -19,6 +19,17 @@
 //! to be run again, so a run killed midway is finished by the next one. A
 //! session advisory lock makes concurrent runs queue; the later ones find
 //! nothing to do.
+//!
+//! Rolling upgrades: every migration declares whether relays built for an
+//! older schema keep working once it is applied ([`LiveRelays`]). Before it
+//! applies one that needs newer relays, the runner looks at the live replicas'
+//! heartbeats and refuses while one was built for an older schema
+//! ([`relays`]); the ledger records what each migration needs, so a relay
+//! refuses to start on, or stops claiming in, a schema it cannot run on.
+
+mod relays;
+
+pub use relays::LiveReplica;
 
 use std::time::{Duration, Instant};
 
@@ -34,12 +45,14 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../migrations/0001_outbox.sql"),
         // The same schema; only its comments changed.
         also_accepted: &["fc519f58a93127fc71970fb134f1a0c3e895e24a1df5a2588d7519565cc83c8d"],
+        live_relays: LiveRelays::KeepWorking,
     },
     Migration {
         version: 2,
         name: "processed_messages",
         sql: include_str!("../../migrations/0002_processed_messages.sql"),
         also_accepted: &[],
+        live_relays: LiveRelays::KeepWorking,
     },
     Migration {
         version: 3,
@@ -47,37 +60,92 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../migrations/0003_ops.sql"),
         // The same index, built in one transaction (before the online runner).
         also_accepted: &["8cdf583ddcad9e03a0259ad16cfb46ccff5c9839d9f2e1e002ebd7de8634207b"],
+        live_relays: LiveRelays::KeepWorking,
     },
     Migration {
         version: 4,
         name: "shards",
         sql: include_str!("../../migrations/0004_shards.sql"),
-        // The same schema, built in one transaction (before the online runner).
-        also_accepted: &["2aa44824a0d248914e7758379d3b1889ddc8a7c59fc31c73b17a4e2818999e84"],
+        // The same schema, built in one transaction (before the online runner),
+        // and online with a backfill that joined its batch (bda08bb..743d1ae).
+        also_accepted: &[
+            "2aa44824a0d248914e7758379d3b1889ddc8a7c59fc31c73b17a4e2818999e84",
+            "51c01baa286520cb273dc599c0519fe7a5e6e72cb90a74fe0cd81173c8f74c6d",
+        ],
+        live_relays: LiveRelays::KeepWorking,
     },
     Migration {
         version: 5,
         name: "shard_leases",
         sql: include_str!("../../migrations/0005_shard_leases.sql"),
         also_accepted: &[],
+        live_relays: LiveRelays::KeepWorking,
     },
     Migration {
         version: 6,
         name: "producer_path",
         sql: include_str!("../../migrations/0006_producer_path.sql"),
         also_accepted: &[],
+        // Older relays stop hearing NOTIFY and find new rows by their poll.
+        live_relays: LiveRelays::KeepWorking,
     },
     Migration {
         version: 7,
         name: "buckets",
         sql: include_str!("../../migrations/0007_buckets.sql"),
-        also_accepted: &[],
+        // The same schema, with a backfill that joined its batch (4594811).
+        also_accepted: &["66dcd74c5f3b19b1dfa00fb38d43859c0fd425aada0e69fb9f91d66c8b684a21"],
+        // Its first step stops filling `shard`, which relays before it claim
+        // by (they see no new row), and its last drops the column.
+        live_relays: LiveRelays::NeedBuiltFor(7),
     },
     Migration {
         version: 8,
         name: "held",
         sql: include_str!("../../migrations/0008_held.sql"),
         also_accepted: &[],
+        live_relays: LiveRelays::KeepWorking,
+    },
+    Migration {
+        version: 9,
+        name: "key_types",
+        sql: include_str!("../../migrations/0009_key_types.sql"),
+        also_accepted: &[],
+        // An index: relays before it claim as they did.
+        live_relays: LiveRelays::KeepWorking,
+    },
+    Migration {
+        version: 10,
+        name: "replica_instance",
+        sql: include_str!("../../migrations/0010_replica_instance.sql"),
+        also_accepted: &[],
+        // Nullable columns of the heartbeat row, which relays before it
+        // leave empty.
+        live_relays: LiveRelays::KeepWorking,
+    },
+    Migration {
+        version: 11,
+        name: "relay_versions",
+        sql: include_str!("../../migrations/0011_relay_versions.sql"),
+        also_accepted: &[],
+        live_relays: LiveRelays::KeepWorking,
+    },
+    Migration {
+        version: 12,
+        name: "attempt_log",
+        sql: include_str!("../../migrations/0012_attempt_log.sql"),
+        also_accepted: &[],
+        // A nullable column older relays never name: their marks leave it
+        // NULL.
+        live_relays: LiveRelays::KeepWorking,
+    },
+    Migration {
+        version: 13,
+        name: "tenant_ready",
+        sql: include_str!("../../migrations/0013_tenant_ready.sql"),
+        also_accepted: &[],
+        // An index: relays before it claim as they did.
+        live_relays: LiveRelays::KeepWorking,
     },
 ];
 
@@ -92,11 +160,71 @@ pub(crate) const LOCK_TIMEOUT: Duration = Duration::from_millis(200);
 const LOCK_RETRY_FOR: Duration = Duration::from_secs(600);
 
 const CREATE_LEDGER: &str = "CREATE TABLE IF NOT EXISTS outbox_relay_migrations (
-    version    integer     PRIMARY KEY,
-    name       text        NOT NULL,
-    checksum   text        NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT now()
+    version     integer     PRIMARY KEY,
+    name        text        NOT NULL,
+    checksum    text        NOT NULL,
+    applied_at  timestamptz NOT NULL DEFAULT now(),
+    relays_from integer
 )";
+
+/// `relays_from`: with this migration applied, relays built for an older
+/// schema stop working (NULL: they keep working). Ledgers made before it get
+/// the column here, a catalog change on a table of a few rows.
+const LEDGER_HAS_RELAYS_FROM: &str = "SELECT EXISTS (SELECT 1 FROM pg_attribute
+    WHERE attrelid = 'outbox_relay_migrations'::regclass AND attname = 'relays_from'
+      AND NOT attisdropped)";
+const ADD_RELAYS_FROM: &str =
+    "ALTER TABLE outbox_relay_migrations ADD COLUMN IF NOT EXISTS relays_from integer";
+/// What an applied migration needs, recorded when an older runner applied it.
+const RECORD_RELAYS_FROM: &str = "UPDATE outbox_relay_migrations SET relays_from = $2
+    WHERE version = $1 AND relays_from IS NULL";
+
+/// Whether relays built for an older schema keep working once a migration is
+/// applied: the rule each migration states, for this one and every later one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LiveRelays {
+    /// Expand: new tables, nullable columns, indexes, triggers that still fill
+    /// what older relays read. Roll the relays after `migrate`, in any order.
+    KeepWorking,
+    /// Contract: relays built for a schema before this version stop working
+    /// (a column they read is dropped or no longer filled). Stop them,
+    /// migrate, start relays built for this version or later.
+    NeedBuiltFor(i32),
+}
+
+impl LiveRelays {
+    /// Does a relay built for schema `built_for` keep working across it?
+    pub fn keeps(self, built_for: i32) -> bool {
+        self.needs().is_none_or(|v| built_for >= v)
+    }
+
+    /// The oldest schema a relay may be built for, when there is one.
+    pub fn needs(self) -> Option<i32> {
+        match self {
+            LiveRelays::KeepWorking => None,
+            LiveRelays::NeedBuiltFor(v) => Some(v),
+        }
+    }
+}
+
+/// How a run goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Options {
+    /// Apply the migrations up to and including this one.
+    pub target: i32,
+    /// Apply a migration that needs newer relays although an older relay is
+    /// live (`migrate --allow-live-older`): that relay stops delivering.
+    pub allow_live_older: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            target: i32::MAX,
+            allow_live_older: false,
+        }
+    }
+}
 
 #[derive(Debug, Clone, Copy)]
 pub struct Migration {
@@ -105,6 +233,8 @@ pub struct Migration {
     pub sql: &'static str,
     /// Checksums of earlier texts of this migration that built the same schema.
     pub also_accepted: &'static [&'static str],
+    /// Whether relays built for an older schema keep working across it.
+    pub live_relays: LiveRelays,
 }
 
 impl Migration {
@@ -184,6 +314,14 @@ pub enum MigrateError {
         step: usize,
         source: tokio_postgres::Error,
     },
+    #[error("{}", relays::refusal(*.version, name, *.needs, replicas))]
+    OlderRelaysLive {
+        version: i32,
+        name: &'static str,
+        /// Relays must be built for this schema or later.
+        needs: i32,
+        replicas: Vec<LiveReplica>,
+    },
     #[error("database: {0}")]
     Postgres(#[from] tokio_postgres::Error),
 }
@@ -204,6 +342,19 @@ pub async fn run(client: &mut Client) -> Result<Report, MigrateError> {
 /// Applies the migrations up to and including `target` (upgrade tests start
 /// from an older schema this way).
 pub async fn run_to(client: &mut Client, target: i32) -> Result<Report, MigrateError> {
+    run_with(
+        client,
+        Options {
+            target,
+            ..Options::default()
+        },
+    )
+    .await
+}
+
+/// A run as `options` say; refuses a migration that needs newer relays while
+/// an older one is live, unless told otherwise.
+pub async fn run_with(client: &mut Client, options: Options) -> Result<Report, MigrateError> {
     // Try, not wait: a session blocked in pg_advisory_lock holds a snapshot,
     // and the holder's CREATE INDEX CONCURRENTLY would wait for it (deadlock).
     let mut waited = 0u32;
@@ -218,7 +369,7 @@ pub async fn run_to(client: &mut Client, target: i32) -> Result<Report, MigrateE
         waited += 1;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let result = run_locked(client, target).await;
+    let result = run_locked(client, options).await;
     // On error the session may be gone, and the lock with it.
     let unlocked = client
         .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])
@@ -228,8 +379,15 @@ pub async fn run_to(client: &mut Client, target: i32) -> Result<Report, MigrateE
     Ok(report)
 }
 
-async fn run_locked(client: &mut Client, target: i32) -> Result<Report, MigrateError> {
+async fn run_locked(client: &mut Client, options: Options) -> Result<Report, MigrateError> {
     client.batch_execute(CREATE_LEDGER).await?;
+    if !client
+        .query_one(LEDGER_HAS_RELAYS_FROM, &[])
+        .await?
+        .get::<_, bool>(0)
+    {
+        client.batch_execute(ADD_RELAYS_FROM).await?;
+    }
     let rows = client
         .query(
             "SELECT version, name, checksum FROM outbox_relay_migrations ORDER BY version",
@@ -253,13 +411,22 @@ async fn run_locked(client: &mut Client, target: i32) -> Result<Report, MigrateE
                 expected,
             });
         }
+        if let Some(needs) = known.live_relays.needs() {
+            client
+                .execute(RECORD_RELAYS_FROM, &[&version, &needs])
+                .await?;
+        }
         already += 1;
     }
+    let pending: Vec<&Migration> = MIGRATIONS
+        .iter()
+        .filter(|m| {
+            m.version <= options.target && !rows.iter().any(|r| r.get::<_, i32>(0) == m.version)
+        })
+        .collect();
+    relays::check(client, &pending, options.allow_live_older).await?;
     let mut applied = Vec::new();
-    for m in MIGRATIONS {
-        if m.version > target || rows.iter().any(|r| r.get::<_, i32>(0) == m.version) {
-            continue;
-        }
+    for m in pending {
         for (i, step) in m.steps().iter().enumerate() {
             run_step(client, step)
                 .await
@@ -272,8 +439,9 @@ async fn run_locked(client: &mut Client, target: i32) -> Result<Report, MigrateE
         }
         client
             .execute(
-                "INSERT INTO outbox_relay_migrations (version, name, checksum) VALUES ($1, $2, $3)",
-                &[&m.version, &m.name, &m.checksum()],
+                "INSERT INTO outbox_relay_migrations (version, name, checksum, relays_from)
+                 VALUES ($1, $2, $3, $4)",
+                &[&m.version, &m.name, &m.checksum(), &m.live_relays.needs()],
             )
             .await?;
         tracing::info!(version = m.version, name = m.name, "migration applied");
@@ -419,135 +587,4 @@ END $$;
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Statements that take a lock on the outbox that producers' inserts
-    /// wait for (ACCESS EXCLUSIVE, SHARE ROW EXCLUSIVE, SHARE). `VALIDATE
-    /// CONSTRAINT` takes SHARE UPDATE EXCLUSIVE, which inserts pass.
-    fn blocks_inserts(statement: &str) -> bool {
-        let s = statement.to_ascii_lowercase();
-        let on_outbox = |prefix: &str| {
-            s.contains(prefix)
-                && (s.contains(&format!("{prefix} outbox "))
-                    || s.contains(&format!("{prefix} outbox\n"))
-                    || s.contains(&format!("{prefix} if exists outbox ")))
-        };
-        (on_outbox("alter table") && !s.contains("validate constraint"))
-            || on_outbox("lock table")
-            || ((s.contains("create trigger") || s.contains("drop trigger"))
-                && s.contains(" on outbox"))
-            || (s.contains("create index")
-                && !s.contains("concurrently")
-                && s.contains(" on outbox"))
-    }
-
-    /// Does `sql` run `verb` on the outbox itself (not on another table whose
-    /// name starts with `outbox`)?
-    fn names_outbox(sql: &str, verb: &str) -> bool {
-        let pattern = format!("{verb} outbox");
-        sql.match_indices(&pattern).any(|(at, _)| {
-            !sql[at + pattern.len()..]
-                .chars()
-                .next()
-                .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_')
-        })
-    }
-
-    /// Work that reads or writes every row of the outbox.
-    fn scans_rows(statement: &str) -> bool {
-        let s = statement.to_ascii_lowercase();
-        s.contains("update outbox ")
-            || s.contains("update outbox\n")
-            || s.contains("delete from outbox")
-            || s.contains("insert into outbox ")
-            || (s.contains("add constraint") && !s.contains("not valid"))
-            || (s.contains("alter column") && s.contains(" type "))
-    }
-
-    /// The online promise, checked on the migration files themselves: a step
-    /// that takes a lock producers wait for does nothing else that takes time
-    /// (a backfill, a validation, a rewrite, an index build), and NOT NULL is
-    /// set only after a validated CHECK lets it skip the scan. (The upgrade
-    /// test in tests/livedb.rs runs them under load and prints how long
-    /// producers waited.)
-    #[test]
-    fn no_step_holds_a_lock_producers_wait_for_while_it_works_through_rows() {
-        for m in MIGRATIONS.iter().filter(|m| m.version >= 3) {
-            let mut validated = false;
-            for (i, step) in m.steps().iter().enumerate() {
-                let at = format!("migration {} ({}) step {}", m.version, m.name, i + 1);
-                let (sql, in_transaction) = match step {
-                    Step::Transaction(sql) => (sql.as_str(), true),
-                    Step::Batches(sql) | Step::Concurrently(sql) => (sql.as_str(), false),
-                    Step::Index { sql, .. } => (sql.as_str(), false),
-                };
-                let code: String = sql
-                    .lines()
-                    .filter(|l| !l.trim_start().starts_with("--"))
-                    .collect::<Vec<_>>()
-                    .join("\n");
-                let statements: Vec<&str> = code.split(';').collect();
-                let locking = statements.iter().any(|s| blocks_inserts(s));
-                let scanning = statements.iter().any(|s| scans_rows(s));
-                assert!(
-                    !(in_transaction && locking && scanning),
-                    "{at} works through the outbox's rows under a lock producers wait for:\n{code}"
-                );
-                let lower = code.to_ascii_lowercase();
-                if lower.contains("set not null") && names_outbox(&lower, "alter table") {
-                    assert!(
-                        validated,
-                        "{at} sets NOT NULL without a validated CHECK before it"
-                    );
-                }
-                validated |= lower.contains("validate constraint");
-                assert!(
-                    !(lower.contains("create index")
-                        && lower.contains(" on outbox")
-                        && !lower.contains("concurrently")),
-                    "{at} builds an index on the outbox without CONCURRENTLY"
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn the_lint_knows_a_blocking_rewrite_when_it_sees_one() {
-        assert!(blocks_inserts("ALTER TABLE outbox ADD COLUMN x int"));
-        assert!(!blocks_inserts("ALTER TABLE outbox VALIDATE CONSTRAINT c"));
-        assert!(blocks_inserts("CREATE INDEX i ON outbox (x)"));
-        assert!(!blocks_inserts("CREATE INDEX CONCURRENTLY i ON outbox (x)"));
-        assert!(blocks_inserts(
-            "LOCK TABLE outbox IN SHARE ROW EXCLUSIVE MODE"
-        ));
-        assert!(scans_rows("UPDATE outbox SET shard = 1"));
-        assert!(scans_rows(
-            "ALTER TABLE outbox ADD CONSTRAINT c CHECK (x > 0)"
-        ));
-        assert!(!scans_rows(
-            "ALTER TABLE outbox ADD CONSTRAINT c CHECK (x > 0) NOT VALID"
-        ));
-    }
-
-    #[test]
-    fn every_migration_parses_into_steps() {
-        for m in MIGRATIONS {
-            assert!(!m.steps().is_empty(), "migration {}", m.version);
-        }
-        let steps = MIGRATIONS[3].steps();
-        assert!(matches!(steps[0], Step::Transaction(_)));
-        assert!(matches!(steps[1], Step::Batches(ref s) if s.contains("$1")));
-        assert!(steps
-            .iter()
-            .any(|s| matches!(s, Step::Index { name, .. } if name == "outbox_shard_ready_idx")));
-    }
-
-    #[test]
-    fn a_file_without_steps_is_one_transaction() {
-        assert_eq!(
-            parse_steps("-- c\nCREATE TABLE t ();\n"),
-            vec![Step::Transaction("-- c\nCREATE TABLE t ();\n".into())]
-        );
-    }
-}
+mod tests;

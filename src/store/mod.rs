@@ -12,11 +12,14 @@
 //! What the statements do, by table:
 //! - [`outbox`]: claims, marks, releases and the drain's progress (the relay's
 //!   hot path), and the failure callback's mark.
+//! - [`drain`]: `drain`'s check of whether anything is left to do.
 //! - [`shards`]: shard leases, replica heartbeats, resharding, the schema check.
 //! - [`dead_letters`]: list, show, replay and purge dead-lettered rows.
 //! - [`retention`]: batched deletes and a partitioned outbox's upkeep.
 //! - [`stats`]: the health figures (gauges, `outbox-relay stats`).
 //! - [`probe`]: the listener's cheap look at the outbox's id sequence.
+//! - [`pooler`]: the refusal of a transaction pooler between the relay and
+//!   PostgreSQL.
 //! - [`migrate`]: the schema, created and upgraded online.
 
 /// `DELETE` of at most `$2` rows of `$table` whose `$column` is before `$1`,
@@ -41,17 +44,45 @@ macro_rules! delete_oldest {
     };
 }
 
+/// `$statement` (a future borrowing `$session`) under the session's
+/// deadline: when no answer comes in time the connection is closed and
+/// dropped ([`Session::settle`]) and the statement fails as unanswered.
+macro_rules! bounded {
+    ($session:ident, $statement:expr) => {{
+        let limit = $session.deadline();
+        let statement = $statement;
+        let outcome = match limit {
+            Some(limit) => tokio::time::timeout(limit, statement)
+                .await
+                .map_err(|_| limit),
+            None => Ok(statement.await),
+        };
+        $session.settle(outcome)
+    }};
+}
+
+#[macro_use]
+pub mod attempt_log;
+pub mod callbacks;
 pub mod conn;
 pub mod dead_letters;
+pub(crate) mod drain;
+pub mod dsn;
+pub mod mark;
 pub mod migrate;
+#[macro_use]
 pub mod outbox;
 pub mod partitions;
+pub mod pooler;
+pub mod privileges;
 pub mod probe;
 pub mod retention;
 pub mod shards;
 pub mod stats;
+pub(crate) mod tenants;
 #[cfg(test)]
 mod tests;
+pub mod tls;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -60,7 +91,9 @@ use std::time::Duration;
 use tokio_postgres::types::Type;
 use tokio_postgres::Statement;
 
-pub use conn::{connect, parse_url, pool, tls, Pool, PooledConn};
+pub use conn::{
+    connect, parse_url, parse_with_tls, pool, pool_with, Liveness, Pool, PoolOptions, PooledConn,
+};
 
 /// The one error of the store.
 #[derive(Debug, thiserror::Error)]
@@ -68,9 +101,20 @@ pub enum StoreError {
     #[error("database URL is not valid: {0}")]
     BadUrl(String),
     #[error("database: {}", describe(.0))]
-    Postgres(#[from] tokio_postgres::Error),
+    Postgres(tokio_postgres::Error),
     #[error("database pool: timed out waiting for a connection")]
     PoolTimeout,
+    /// The connection did not answer a statement within the session's
+    /// deadline (its peer gone, or the network dropping its packets); it was
+    /// closed.
+    #[error("database: no answer within {0:?}; the connection was closed")]
+    Unanswered(Duration),
+    /// The pool timed out while its attempts to connect failed; why.
+    #[error("database: {0}")]
+    CannotConnect(String),
+    /// A TLS setting (`sslrootcert`, `sslcert`, `sslkey`) cannot be used.
+    #[error("database TLS: {0}")]
+    Tls(String),
     /// A migration could not be applied, or the schema is not this binary's.
     #[error(transparent)]
     Migrate(#[from] migrate::MigrateError),
@@ -82,23 +126,39 @@ pub enum StoreError {
     Refused(String),
 }
 
-/// The server's own message when there is one ("db error" says nothing).
+/// The server's own message when there is one ("db error" says nothing),
+/// else the error with its causes ("error connecting to server: Connection
+/// refused"), a certificate problem explained.
 fn describe(e: &tokio_postgres::Error) -> String {
     match e.as_db_error() {
         Some(db) => match db.detail() {
             Some(detail) => format!("{} ({detail})", db.message()),
             None => db.message().to_owned(),
         },
-        None => e.to_string(),
+        None => {
+            let mut text = e.to_string();
+            let mut cause = std::error::Error::source(e);
+            while let Some(c) = cause {
+                text = format!("{text}: {c}");
+                cause = c.source();
+            }
+            match tls::explain(e as &(dyn std::error::Error + 'static)) {
+                Some(hint) => format!("{text} ({hint})"),
+                None => text,
+            }
+        }
+    }
+}
+
+impl From<tokio_postgres::Error> for StoreError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        StoreError::Postgres(e)
     }
 }
 
 impl From<bb8::RunError<tokio_postgres::Error>> for StoreError {
     fn from(e: bb8::RunError<tokio_postgres::Error>) -> Self {
-        match e {
-            bb8::RunError::User(e) => StoreError::Postgres(e),
-            bb8::RunError::TimedOut => StoreError::PoolTimeout,
-        }
+        conn::ConnectErrors::default().explain(e)
     }
 }
 
@@ -107,7 +167,9 @@ impl StoreError {
     /// opposed to an error the server reported): worth trying again.
     pub(crate) fn is_transient(&self) -> bool {
         match self {
-            StoreError::PoolTimeout => true,
+            StoreError::PoolTimeout | StoreError::Unanswered(_) | StoreError::CannotConnect(_) => {
+                true
+            }
             StoreError::Postgres(e) => e.as_db_error().is_none(),
             _ => false,
         }
@@ -190,19 +252,57 @@ pub struct Fence {
 #[derive(Clone)]
 pub struct Store {
     pool: Pool,
+    /// The `statement_timeout` of the sessions this store hands out.
+    session_limit: Option<Duration>,
+    /// Why the pool last failed to connect (for its time-outs).
+    connect_errors: conn::ConnectErrors,
 }
 
 impl Store {
     /// A pool of up to `size` connections, made on demand; nothing connects yet.
     pub fn open(url: &str, size: u32, connect_timeout: Duration) -> Result<Store, StoreError> {
+        Store::open_with(url, &PoolOptions::new(size, connect_timeout))
+    }
+
+    /// A pool as `options` say, made on demand; nothing connects yet.
+    pub fn open_with(url: &str, options: &PoolOptions) -> Result<Store, StoreError> {
+        let (pool, connect_errors) = conn::pool_noting_errors(url, options)?;
         Ok(Store {
-            pool: conn::pool(url, size, connect_timeout)?,
+            pool,
+            session_limit: None,
+            connect_errors,
         })
     }
 
     /// A store on a pool made elsewhere.
     pub fn with_pool(pool: Pool) -> Store {
-        Store { pool }
+        Store {
+            pool,
+            session_limit: None,
+            connect_errors: Default::default(),
+        }
+    }
+
+    /// The same pool, handing out sessions whose statements get
+    /// `statement_timeout` (set on each connection a session takes) and
+    /// whose connection is closed when a statement has no answer a little
+    /// after that ([`Session::deadline`]).
+    pub fn with_session_limit(&self, statement_timeout: Duration) -> Store {
+        Store {
+            pool: self.pool.clone(),
+            session_limit: Some(statement_timeout),
+            connect_errors: self.connect_errors.clone(),
+        }
+    }
+
+    /// Connects once, now: a database that cannot be reached says why at
+    /// once (refused, unknown host, authentication, missing database, TLS),
+    /// where the pool would retry until its time-out. The connection joins
+    /// the pool.
+    pub async fn connect_now(&self) -> Result<(), StoreError> {
+        let conn = self.pool.dedicated_connection().await?;
+        let _ = self.pool.add(conn);
+        Ok(())
     }
 
     /// A small store for one command (the CLI).
@@ -216,15 +316,20 @@ impl Store {
 
     /// A connection for a few statements; back to the pool when dropped.
     pub async fn conn(&self) -> Result<PooledConn, StoreError> {
-        Ok(self.pool.get_owned().await?)
+        self.pool
+            .get_owned()
+            .await
+            .map_err(|e| self.connect_errors.explain(e))
     }
 
     /// A connection of one's own, for an actor.
     pub fn session(&self) -> Session {
         Session {
             pool: self.pool.clone(),
+            connect_errors: self.connect_errors.clone(),
             conn: None,
             failures: 0,
+            limit: self.session_limit,
         }
     }
 }
@@ -247,8 +352,11 @@ struct Prepared {
 /// [`Session::succeeded`].
 pub struct Session {
     pool: Pool,
+    connect_errors: conn::ConnectErrors,
     conn: Option<Prepared>,
     failures: u32,
+    /// The statement timeout of this session's role, if it has one.
+    limit: Option<Duration>,
 }
 
 impl Session {
@@ -257,13 +365,7 @@ impl Session {
         &mut self,
         sql: &Sql,
     ) -> Result<(&PooledConn, Statement), StoreError> {
-        if self.conn.is_none() {
-            let conn = self.pool.get_owned().await?;
-            self.conn = Some(Prepared {
-                conn,
-                statements: HashMap::new(),
-            });
-        }
+        self.connect().await?;
         let p = self.conn.as_mut().expect("connected above");
         let key = sql.text.as_ptr() as usize;
         let statement = match p.statements.get(&key) {
@@ -279,14 +381,61 @@ impl Session {
 
     /// The connection, for statements that are not prepared.
     pub(crate) async fn conn(&mut self) -> Result<&PooledConn, StoreError> {
-        if self.conn.is_none() {
-            let conn = self.pool.get_owned().await?;
-            self.conn = Some(Prepared {
-                conn,
-                statements: HashMap::new(),
-            });
-        }
+        self.connect().await?;
         Ok(&self.conn.as_ref().expect("connected above").conn)
+    }
+
+    /// Takes a connection when the session has none, with the session's
+    /// statement timeout set on it.
+    async fn connect(&mut self) -> Result<(), StoreError> {
+        if self.conn.is_some() {
+            return Ok(());
+        }
+        let mut conn = self
+            .pool
+            .get_owned()
+            .await
+            .map_err(|e| self.connect_errors.explain(e))?;
+        if let Some(limit) = self.limit {
+            let set = conn::set_statement_timeout(limit);
+            match tokio::time::timeout(deadline(limit), conn.batch_execute(&set)).await {
+                Ok(done) => done?,
+                Err(_) => {
+                    conn::close(&mut conn);
+                    return Err(StoreError::Unanswered(deadline(limit)));
+                }
+            }
+        }
+        self.conn = Some(Prepared {
+            conn,
+            statements: HashMap::new(),
+        });
+        Ok(())
+    }
+
+    /// How long a statement of this session may go unanswered before its
+    /// connection is given up: the statement timeout, and half as long
+    /// again (at most a second) for the server's own cancellation to arrive.
+    pub(crate) fn deadline(&self) -> Option<Duration> {
+        self.limit.map(deadline)
+    }
+
+    /// A bounded statement's outcome ([`bounded!`]): past the deadline, the
+    /// connection is closed, so that the pool drops it rather than handing
+    /// it out again, and the statement fails as unanswered.
+    pub(crate) fn settle<T>(
+        &mut self,
+        outcome: Result<Result<T, StoreError>, Duration>,
+    ) -> Result<T, StoreError> {
+        match outcome {
+            Ok(result) => result,
+            Err(limit) => {
+                if let Some(mut p) = self.conn.take() {
+                    conn::close(&mut p.conn);
+                }
+                Err(StoreError::Unanswered(limit))
+            }
+        }
     }
 
     /// A statement failed: the connection is dropped (the next use takes a
@@ -307,6 +456,11 @@ impl Session {
     pub fn failures(&self) -> u32 {
         self.failures
     }
+}
+
+/// A statement timeout and the grace for the server's cancellation to arrive.
+fn deadline(statement_timeout: Duration) -> Duration {
+    statement_timeout + (statement_timeout / 2).min(Duration::from_secs(1))
 }
 
 /// The backoff after `failures` failures in a row.

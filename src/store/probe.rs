@@ -44,11 +44,16 @@ pub(crate) struct Probe {
 }
 
 impl Probe {
-    pub(crate) async fn connect(url: &str, connect_timeout: Duration) -> Result<Probe, StoreError> {
-        let mut config = conn::parse_url(url)?;
+    pub(crate) async fn connect(
+        url: &str,
+        connect_timeout: Duration,
+        liveness: &conn::Liveness,
+    ) -> Result<Probe, StoreError> {
+        let (mut config, tls) = conn::parse_with_tls(url)?;
         config.connect_timeout(connect_timeout);
+        conn::apply_liveness(&mut config, liveness);
         config.application_name("outbox-relay listener");
-        let (client, connection) = config.connect(conn::tls()).await?;
+        let (client, connection) = config.connect(tls).await?;
         let driver = tokio::spawn(async move {
             if let Err(e) = connection.await {
                 tracing::debug!(error = %e, "probe connection closed");

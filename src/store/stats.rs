@@ -96,6 +96,17 @@ pub struct ReplicaStats {
     pub alive: bool,
     /// Shards whose lease it holds now, in order.
     pub shards: Vec<i16>,
+    /// The last process refused this name while this one held it (two
+    /// relays configured with one `relay.replica_id`).
+    pub refused: Option<RefusedReplica>,
+}
+
+/// A process that asked for a replica name another one held.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RefusedReplica {
+    pub hostname: String,
+    pub pid: i32,
+    pub at: DateTime<Utc>,
 }
 
 /// Buckets in [`Stats::published_per_minute`].
@@ -136,7 +147,8 @@ SELECT r.replica, r.hostname, r.pid, r.started_at,
        extract(epoch FROM now() - r.seen_at)::float8,
        r.alive_until > now(),
        coalesce(array_agg(l.shard ORDER BY l.shard) FILTER (WHERE l.shard IS NOT NULL),
-                '{}')
+                '{}'),
+       r.refused_hostname, r.refused_pid, r.refused_at
 FROM outbox_relay_replicas AS r
 LEFT JOIN outbox_relay_shard_leases AS l
        ON l.owner = r.replica AND l.lease_until > now()
@@ -254,6 +266,10 @@ pub async fn stats(client: &mut Client) -> Result<Stats, StoreError> {
             seen_seconds_ago: r.get(4),
             alive: r.get(5),
             shards: r.get(6),
+            refused: match (r.get(7), r.get(8), r.get(9)) {
+                (Some(hostname), Some(pid), Some(at)) => Some(RefusedReplica { hostname, pid, at }),
+                _ => None,
+            },
         })
         .collect();
     let unowned_shards = tx.query_one(UNOWNED_SQL, &[]).await?.get(0);

@@ -48,6 +48,22 @@ pub async fn start_sink_on(addr: SocketAddr) -> SinkHandle {
     .expect("the sink starts")
 }
 
+/// A destination that accepts every call, and the QStash stand-in in delivery
+/// mode (delivering, retrying and calling back the way QStash does).
+pub async fn delivering_qstash() -> (outbox_testkit::sink::DestinationHandle, SinkHandle) {
+    use outbox_testkit::sink::{DeliveryConfig, Destination, DestinationConfig};
+    let dest = Destination::start(DestinationConfig::default())
+        .await
+        .expect("the destination starts");
+    let sink = Sink::start(SinkConfig {
+        delivery: Some(DeliveryConfig::default()),
+        ..SinkConfig::for_tests(TOKEN)
+    })
+    .await
+    .expect("the sink starts");
+    (dest, sink)
+}
+
 /// Each `(toml, key)`: the config is refused with an error naming `key`.
 pub fn assert_config_errors_name(cases: &[(&str, &str)]) {
     for &(toml, key) in cases {
@@ -62,9 +78,14 @@ pub fn assert_config_errors_name(cases: &[(&str, &str)]) {
 /// `outbox-relay ARGS` against `db` (its `DATABASE_URL`, no config file),
 /// run to the end.
 pub fn cli(db: &TestDb, args: &[&str]) -> std::process::Output {
+    cli_url(&db.url, args)
+}
+
+/// `outbox-relay ARGS` with `DATABASE_URL` set to `url`, run to the end.
+pub fn cli_url(url: &str, args: &[&str]) -> std::process::Output {
     std::process::Command::new(BIN)
         .args(args)
-        .env("DATABASE_URL", &db.url)
+        .env("DATABASE_URL", url)
         .env_remove("OUTBOX_RELAY_LOG")
         .output()
         .expect("the relay binary runs")
@@ -198,6 +219,27 @@ pub fn event(i: usize, key: &str) -> NewEvent {
     )
 }
 
+/// `n` events of `event_type` in one transaction, idempotency keys
+/// `{prefix}-0…`, one partition key each (`order:{prefix}0…`).
+pub async fn insert_typed(db: &TestDb, event_type: &str, prefix: &str, n: usize) {
+    let mut client = db.client().await.unwrap();
+    let events: Vec<NewEvent> = (0..n)
+        .map(|i| {
+            NewEvent::new(
+                Uuid::from_u128(7),
+                "order",
+                format!("{prefix}{i}"),
+                event_type,
+                json!({"n": i}),
+                format!("{prefix}-{i}"),
+            )
+        })
+        .collect();
+    let tx = client.transaction().await.unwrap();
+    enqueue_many(&tx, &events).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
 /// Inserts `n` events spread over `keys` partition keys, in batches.
 pub async fn insert_events(db: &TestDb, n: usize, keys: usize) {
     let mut client = db.client().await.unwrap();
@@ -277,4 +319,80 @@ pub fn is_known_series(series: &str) -> bool {
             .strip_suffix(suffix)
             .is_some_and(|base| outbox_relay::metrics::names::HISTOGRAMS.contains(&base))
     })
+}
+
+/// Every `outbox_relay_…` identifier in a PromQL expression.
+pub fn our_series(expr: &str) -> Vec<String> {
+    const PREFIX: &str = "outbox_relay_";
+    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':';
+    let mut found = Vec::new();
+    let mut rest = expr;
+    while let Some(at) = rest.find(PREFIX) {
+        let starts_word = rest[..at].chars().next_back().is_none_or(|c| !is_ident(c));
+        let tail = &rest[at..];
+        let end = tail.find(|c: char| !is_ident(c)).unwrap_or(tail.len());
+        if starts_word {
+            found.push(tail[..end].to_owned());
+        }
+        rest = &tail[end.max(1)..];
+    }
+    found
+}
+
+/// A relay config (one route) whose database is `DATABASE_URL`.
+pub fn relay_config() -> tempfile::NamedTempFile {
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(
+        file.path(),
+        "[database]\nconnect_timeout = \"2s\"\n[qstash]\ntoken = \"t\"\n[server]\nmetrics_bind = \"127.0.0.1:0\"\n\
+         [[routes]]\nevent_type = \"*\"\ndestination = \"http://127.0.0.1:9/hook\"\n",
+    )
+    .unwrap();
+    file
+}
+
+/// A loopback port nothing listens on (just freed).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+pub async fn dead_count(db: &TestDb) -> i64 {
+    count(
+        db,
+        "SELECT count(*) FROM outbox WHERE dead_lettered_at IS NOT NULL",
+    )
+    .await
+}
+
+/// Runs the relay on `cfg` until nothing is pending, stops it, and fails the
+/// test when delivery stopped before that (`limit`).
+pub async fn run_until_drained(db: &TestDb, cfg: Config, limit: Duration) {
+    let relay = outbox_relay::Relay::start(cfg).await.unwrap();
+    let drained = wait_until(limit, || async { pending(db).await == 0 }).await;
+    relay.shutdown().await;
+    assert!(
+        drained,
+        "delivery stopped: {} rows still pending ({} dead-lettered)",
+        pending(db).await,
+        dead_count(db).await
+    );
+}
+
+/// A webhook route taking every event type to the test sink's `/hook`
+/// endpoint at `sink_url`, with `more` (TOML) added to the route.
+pub fn webhook_route(sink_url: &str, more: &str) -> String {
+    format!(
+        r#"
+[[routes]]
+event_type = "*"
+sink = "webhook"
+destination = "{sink_url}/hook/{{event_type}}"
+signing_secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+{more}
+"#
+    )
 }

@@ -57,6 +57,28 @@ impl NewEvent {
         self
     }
 
+    /// Records a W3C trace context in the event's headers (`traceparent`,
+    /// and `tracestate` when set), so the consumer's handler continues the
+    /// producer's trace. [`crate::trace::TraceContext::current`] (feature
+    /// `opentelemetry`) gives the current span's.
+    pub fn with_trace_context(mut self, context: &crate::trace::TraceContext) -> Self {
+        for (name, value) in context.headers() {
+            self = self.with_header(name, value);
+        }
+        self
+    }
+
+    /// Records the current `tracing` span's trace context, when a
+    /// `tracing-opentelemetry` layer gives it one; otherwise the event is
+    /// unchanged.
+    #[cfg(feature = "opentelemetry")]
+    pub fn with_current_trace(self) -> Self {
+        match crate::trace::TraceContext::current() {
+            Some(context) => self.with_trace_context(&context),
+            None => self,
+        }
+    }
+
     pub fn with_partition_key(mut self, key: impl Into<String>) -> Self {
         self.partition_key = Some(key.into());
         self

@@ -8,6 +8,10 @@
 //!   fault injection, outages, per-message rules for tests, webhook POSTs
 //!   under `/hook/…`, and a delivery mode that delivers, retries and calls
 //!   back the way QStash does.
+//! - [`proxy`]: a loopback TCP proxy in front of PostgreSQL that can stop
+//!   forwarding the connections open through it (a half-open connection).
+//! - [`pgbouncer`]: a real PgBouncer in front of a test database, in session
+//!   or transaction pooling mode.
 //! - [`relay`]: the relay (an `outbox-relay` binary, or the engine embedded in
 //!   another binary) as a child process: migrate, run, signals, stop.
 //!
@@ -18,8 +22,13 @@
 
 #![warn(unreachable_pub)]
 
+pub mod pgbouncer;
 pub mod postgres;
+pub mod proxy;
 pub mod relay;
 pub mod sink;
 
-pub use postgres::{url_with_dbname, TestDb, TestkitError, ThrowawayCluster, DEFAULT_SERVER_URL};
+pub use postgres::{
+    url_with_dbname, ClusterOptions, ServerTls, TestDb, TestkitError, ThrowawayCluster,
+    DEFAULT_SERVER_URL,
+};

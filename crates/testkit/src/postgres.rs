@@ -31,6 +31,53 @@ pub enum TestkitError {
     Io(#[from] std::io::Error),
 }
 
+/// What a throwaway cluster starts with beyond the test defaults.
+#[derive(Debug, Clone, Default)]
+pub struct ClusterOptions {
+    /// Serve TLS with these files (`ssl = on`).
+    pub tls: Option<ServerTls>,
+    /// The whole `pg_hba.conf`, in place of initdb's (trust for everyone).
+    pub hba: Option<String>,
+    /// Production-like durability for measurements: `fsync`,
+    /// `synchronous_commit`, `full_page_writes` and autovacuum on, as a
+    /// user's server runs. Off (the default) for tests, which need speed, not
+    /// crash safety: fsync, synchronous_commit and full_page_writes off.
+    pub durable: bool,
+    /// `shared_buffers` (a PostgreSQL size, e.g. `1GB`); 256MB when absent.
+    pub shared_buffers: Option<String>,
+    /// More `name=value` server settings, e.g.
+    /// `shared_preload_libraries=pg_stat_statements`.
+    pub settings: Vec<String>,
+}
+
+impl ClusterOptions {
+    /// The server's `-c` options for these settings (no port, socket or TLS).
+    pub fn server_settings(&self) -> String {
+        let durability = if self.durable {
+            "-c fsync=on -c synchronous_commit=on -c full_page_writes=on -c autovacuum=on"
+        } else {
+            "-c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+        };
+        let mut opts = format!(
+            "{durability} -c max_connections=200 -c shared_buffers={}",
+            self.shared_buffers.as_deref().unwrap_or("256MB")
+        );
+        for setting in &self.settings {
+            opts += &format!(" -c {setting}");
+        }
+        opts
+    }
+}
+
+/// The server's side of TLS: PEM files, copied into the cluster's directory.
+#[derive(Debug, Clone)]
+pub struct ServerTls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// The CA whose client certificates the server accepts (`ssl_ca_file`).
+    pub client_ca: Option<PathBuf>,
+}
+
 /// A PostgreSQL cluster in a temporary directory, stopped and removed on drop.
 pub struct ThrowawayCluster {
     dir: tempfile::TempDir,
@@ -41,9 +88,15 @@ pub struct ThrowawayCluster {
 
 impl ThrowawayCluster {
     /// `initdb` + `pg_ctl start` on a free loopback port, tuned for tests
-    /// (no fsync). Runs the server as the `postgres` user when we are root,
-    /// since PostgreSQL refuses to run as root.
+    /// (no fsync; [`ClusterOptions::durable`] for measurements). Runs the
+    /// server as the `postgres` user when we are root, since PostgreSQL
+    /// refuses to run as root.
     pub fn start() -> Result<ThrowawayCluster, TestkitError> {
+        Self::start_with(ClusterOptions::default())
+    }
+
+    /// The same with TLS or a `pg_hba.conf` of the caller's.
+    pub fn start_with(options: ClusterOptions) -> Result<ThrowawayCluster, TestkitError> {
         let bin = find_pg_bin()?;
         let dir = tempfile::Builder::new()
             .prefix("outbox-relay-pg-")
@@ -71,10 +124,29 @@ impl ThrowawayCluster {
             "UTF8",
             "--no-sync",
         ]))?;
-        let opts = format!(
-            "-c listen_addresses=127.0.0.1 -p {port} -k {} -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200 -c shared_buffers=256MB",
-            cluster.dir.path().display()
+        let mut opts = format!(
+            "-c listen_addresses=127.0.0.1 -p {port} -k {} {}",
+            cluster.dir.path().display(),
+            options.server_settings()
         );
+        if let Some(tls) = &options.tls {
+            opts += " -c ssl=on";
+            let files = [
+                ("ssl_cert_file", Some(&tls.cert)),
+                ("ssl_key_file", Some(&tls.key)),
+                ("ssl_ca_file", tls.client_ca.as_ref()),
+            ];
+            for (setting, file) in files {
+                if let Some(file) = file {
+                    let copy = cluster.own_file(setting, &std::fs::read(file)?)?;
+                    opts += &format!(" -c {setting}={}", copy.display());
+                }
+            }
+        }
+        if let Some(hba) = &options.hba {
+            let file = cluster.own_file("pg_hba.conf", hba.as_bytes())?;
+            opts += &format!(" -c hba_file={}", file.display());
+        }
         run(cluster
             .pg_command("pg_ctl")
             .arg("-D")
@@ -85,8 +157,34 @@ impl ThrowawayCluster {
         Ok(cluster)
     }
 
+    /// This cluster for the rest of the process (a test binary's shared
+    /// server): stopped and removed when the process exits, since statics are
+    /// never dropped.
+    pub fn keep_until_exit(self) -> &'static ThrowawayCluster {
+        let cluster: &'static ThrowawayCluster = Box::leak(Box::new(self));
+        at_exit(AtExit::Stop(cluster));
+        cluster
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     pub fn url(&self) -> String {
         format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// `contents` in a file of the cluster's directory that only the
+    /// server's user can read (PostgreSQL refuses a key others can read).
+    fn own_file(&self, name: &str, contents: &[u8]) -> Result<PathBuf, TestkitError> {
+        use std::os::unix::fs::PermissionsExt;
+        let path = self.dir.path().join(name);
+        std::fs::write(&path, contents)?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+        if self.as_postgres_user {
+            run(Command::new("chown").arg("postgres:").arg(&path))?;
+        }
+        Ok(path)
     }
 
     fn pg_command(&self, tool: &str) -> Command {
@@ -116,6 +214,42 @@ impl Drop for ThrowawayCluster {
     }
 }
 
+enum AtExit {
+    Stop(&'static ThrowawayCluster),
+    Remove(PathBuf),
+}
+
+/// Runs `what` when the process exits (statics are never dropped).
+fn at_exit(what: AtExit) {
+    static TODO: std::sync::Mutex<Vec<AtExit>> = std::sync::Mutex::new(Vec::new());
+    extern "C" fn run_all() {
+        if let Ok(todo) = TODO.lock() {
+            for what in todo.iter() {
+                match what {
+                    AtExit::Stop(cluster) => {
+                        cluster.stop();
+                        let _ = std::fs::remove_dir_all(cluster.dir.path());
+                    }
+                    AtExit::Remove(dir) => {
+                        let _ = std::fs::remove_dir_all(dir);
+                    }
+                }
+            }
+        }
+    }
+    let mut todo = TODO.lock().unwrap_or_else(|e| e.into_inner());
+    if todo.is_empty() {
+        unsafe { libc::atexit(run_all) };
+    }
+    todo.push(what);
+}
+
+/// Removes `dir` when the process exits: files a test binary's shared
+/// fixture keeps in a static.
+pub fn remove_at_exit(dir: PathBuf) {
+    at_exit(AtExit::Remove(dir));
+}
+
 fn run(cmd: &mut Command) -> Result<(), TestkitError> {
     let out = cmd
         .output()
@@ -130,7 +264,7 @@ fn run(cmd: &mut Command) -> Result<(), TestkitError> {
     Ok(())
 }
 
-fn free_port() -> std::io::Result<u16> {
+pub(crate) fn free_port() -> std::io::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A throwaway PostgreSQL cluster with production-like durability: fsync,
 # synchronous_commit and full_page_writes on, autovacuum on, 512MB of
-# shared_buffers. Usage: cluster.sh start|stop DIR PORT
+# shared_buffers. Usage: cluster.sh start|stop DIR PORT; EXTRA_OPTS adds
+# server options (`-c name=value ...`).
 set -euo pipefail
 cmd=$1 dir=$2 port=$3
 bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
@@ -15,7 +16,7 @@ start)
     opts+=" -c fsync=on -c synchronous_commit=on -c full_page_writes=on"
     opts+=" -c shared_buffers=512MB -c max_connections=200"
     opts+=" -c max_wal_size=1GB -c checkpoint_timeout=15min"
-    opts+=" -c autovacuum=on -c wal_level=replica"
+    opts+=" -c autovacuum=on -c wal_level=replica ${EXTRA_OPTS:-}"
     as_pg "$bin/pg_ctl" -D "$dir/data" -w -l "$dir/server.log" -o "$opts" start >/dev/null
     ;;
 stop)

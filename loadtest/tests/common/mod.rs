@@ -58,6 +58,7 @@ pub async fn run_in_test(
     opts.relay = relay();
     opts.progress = false;
     opts.database_url = server_url().await;
+    opts.sink_bin = Some(env!("CARGO_BIN_EXE_loadtest").into());
     eprintln!("relay under test: {}", opts.relay.describe());
     let run = tokio::time::timeout(limit, loadtest::runner::run_scenario(scenario, &opts));
     let report = run

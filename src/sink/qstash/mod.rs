@@ -96,7 +96,7 @@ impl QstashSink {
         let destination = super::destination(route, row)?;
         let c = &route.config;
         let mut headers: Vec<(String, String)> = Vec::with_capacity(12 + row.headers.len());
-        headers.push(("content-type".into(), "application/json".into()));
+        headers.push(("content-type".into(), super::content_type(route).into()));
         headers.push(("upstash-method".into(), c.method.as_str().to_owned()));
         headers.push((
             "upstash-deduplication-id".into(),

@@ -9,14 +9,13 @@
 //! statistics say is tested beside the other plans, in `tests/mod.rs`.)
 
 use std::collections::HashSet;
-use std::time::Duration;
 
 use tokio_postgres::Client;
 
 use crate::store::outbox::{
-    key_cursor_after, next_key_cursor, no_key_cursor, ClaimScope, KeyCursor,
+    key_cursor_after, next_key_cursor, no_key_cursor, ClaimScope, KeyCursor, RouteTypes,
 };
-use crate::store::{Fence, Session, ShardId, Store};
+use crate::store::{Fence, Session};
 use crate::testing::{RelayTestDb as _, TestDb};
 
 struct Claim {
@@ -35,15 +34,23 @@ impl Claim {
     /// many more than are out, skip those, move the cursor after the ones
     /// taken. Returns `(key, id)` sorted by key.
     async fn take(&mut self, limit: i64) -> Vec<(String, i64)> {
-        let ordered = ["%".to_owned()];
         let scope = ClaimScope {
             fence: self.fence,
-            ordered: &ordered,
+            routes: &[],
             out: &[],
+        };
+        let every_type = RouteTypes {
+            like: "%".to_owned(),
+            unless: Vec::new(),
         };
         let read = self
             .session
-            .claim_heads(&scope, &self.cursor, limit + self.out.len() as i64)
+            .claim_heads(
+                &scope,
+                &every_type,
+                &self.cursor,
+                limit + self.out.len() as i64,
+            )
             .await
             .unwrap();
         let all_read = key_cursor_after(&self.cursor, &read);
@@ -95,12 +102,7 @@ async fn the_key_walk_resumes_after_its_cursor_and_wraps_around() {
         .await
         .unwrap();
     // One shard over every bucket.
-    let store = Store::open(&db.url, 2, Duration::from_secs(5)).unwrap();
-    store.reshard(1).await.unwrap();
-    let fence = store
-        .seize_shard(ShardId::new(0), "test", Duration::from_secs(600))
-        .await
-        .unwrap();
+    let (store, fence) = db.one_shard().await;
     // The walk's order: by bucket, then key.
     let walk: Vec<String> = client
         .query(
@@ -228,4 +230,75 @@ fn the_cursor_is_the_last_key_in_walk_order() {
     assert_eq!(next_key_cursor((1, "m"), [(2, "a"), (1, "z")]), key(2, "a"));
     assert_eq!(next_key_cursor((3, "m"), [(2, "z"), (1, "a")]), key(2, "z"));
     assert_eq!(next_key_cursor((1, "m"), std::iter::empty()), None);
+}
+
+/// A key's head is kept per route: for an ordered route it is the oldest
+/// pending row of the key among the types that route takes. A key whose
+/// oldest row belongs to another route (here an unordered `audit.*`, paused
+/// with its row pending) does not hide its next row from this route.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_routes_oldest_row_does_not_hide_a_keys_head() {
+    let db = TestDb::new().await.unwrap();
+    let client = db.client().await.unwrap();
+    // Key `a`: an audit row, then two order rows. Key `b`: one order row.
+    client
+        .batch_execute(
+            "INSERT INTO outbox (tenant_id, aggregate_type, aggregate_id, event_type, payload, idempotency_key, partition_key)
+             VALUES (gen_random_uuid(), 'order', '1', 'audit.logged', '{}', 'e1', 'a'),
+                    (gen_random_uuid(), 'order', '1', 'order.placed', '{}', 'e2', 'a'),
+                    (gen_random_uuid(), 'order', '1', 'order.paid',   '{}', 'e3', 'a'),
+                    (gen_random_uuid(), 'order', '2', 'order.placed', '{}', 'e4', 'b');",
+        )
+        .await
+        .unwrap();
+    let id = |key: &'static str| {
+        let client = &client;
+        async move {
+            client
+                .query_one("SELECT id FROM outbox WHERE idempotency_key = $1", &[&key])
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+        }
+    };
+    let (store, fence) = db.one_shard().await;
+    let mut session = store.session();
+    // The routes `audit.*` (unordered) then `*` (ordered): the ordered
+    // route takes every type but the audit ones.
+    let scope = ClaimScope {
+        fence,
+        routes: &[],
+        out: &[],
+    };
+    let types = RouteTypes {
+        like: "%".to_owned(),
+        unless: vec!["audit.%".to_owned()],
+    };
+    let heads = |claimed: Vec<crate::store::outbox::Claimed>| {
+        let mut ids: Vec<i64> = claimed.iter().map(|c| c.row.id).collect();
+        ids.sort();
+        ids
+    };
+    let got = heads(
+        session
+            .claim_heads(&scope, &types, &no_key_cursor(), 10)
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        got,
+        [id("e2").await, id("e4").await],
+        "key a's head for the order route is its first order row"
+    );
+    // With that head out, key a has nothing more for this route (its
+    // `order.paid` waits behind it), whatever the audit row does.
+    let out = [id("e2").await];
+    let scope = ClaimScope { out: &out, ..scope };
+    let got = heads(
+        session
+            .claim_heads(&scope, &types, &no_key_cursor(), 10)
+            .await
+            .unwrap(),
+    );
+    assert_eq!(got, [id("e4").await]);
 }

@@ -4,10 +4,13 @@
 //! database each.
 
 mod claim_heads;
+mod drain;
+mod tenants;
 
 use std::time::Duration;
 
-use super::outbox::{Held, Write, CLAIM_HEADS, MARK};
+use super::mark::{Held, Write, MARK};
+use super::outbox::{CLAIM_HEADS, CLAIM_TYPED_HEADS};
 use super::*;
 use crate::testing::{RelayTestDb as _, TestDb};
 
@@ -124,35 +127,46 @@ async fn the_mark_update_goes_through_the_primary_key_on_a_fresh_backlog() {
 /// tiny table. The generic plan of the ordered claim then hashed the whole
 /// pending set (through `outbox_ready_idx`) to join it with the key heads:
 /// 1.1 s per claim at 1,000,000 pending, ~520 events/s until autoanalyze ran.
-/// Each head must be checked through the primary key instead.
+/// Each head must be checked through the primary key instead, for a route
+/// taking every type and for one taking some (whose heads come from the
+/// key's types, through the type index).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_ordered_claim_goes_through_the_primary_key_on_a_fresh_backlog() {
     let db = TestDb::new().await.unwrap();
     let client = db.client().await.unwrap();
     fill(&client, 20_000, 500).await;
-    let patterns = vec!["%".to_owned()];
-    let plan = generic_plan(
+    let out = vec![1i64, 2];
+    let every_type = generic_plan(
         &client,
         &CLAIM_HEADS,
-        &[
-            &500i64,
-            &0i16,
-            &patterns,
-            &i16::MIN,
-            &"",
-            &1i64,
-            &vec![1i64, 2],
-        ],
+        &[&500i64, &0i16, &i16::MIN, &"", &1i64, &out],
     )
     .await;
-    // The walk goes through the key index; each head is read by primary key,
-    // one at a time, never hash-joined with the outbox.
+    assert_heads_read_by_primary_key(&every_type, &["outbox_bucket_key_idx"]);
+    let unless = vec!["audit.%".to_owned()];
+    let some_types = generic_plan(
+        &client,
+        &CLAIM_TYPED_HEADS,
+        &[&500i64, &0i16, &"%", &unless, &i16::MIN, &"", &1i64, &out],
+    )
+    .await;
+    assert_heads_read_by_primary_key(
+        &some_types,
+        &["outbox_bucket_key_idx", "outbox_bucket_key_type_idx"],
+    );
+}
+
+/// The walk goes through the key indexes `walks`; each head is read by
+/// primary key, one at a time, never hash-joined with the outbox.
+fn assert_heads_read_by_primary_key(plan: &str, walks: &[&str]) {
     assert!(
         !plan.contains("Hash"),
         "the heads are checked one by one, not hash-joined with the outbox:\n{plan}"
     );
     assert!(plan.contains("outbox_pkey"), "{plan}");
-    assert!(plan.contains("outbox_bucket_key_idx"), "{plan}");
+    for index in walks {
+        assert!(plan.contains(index), "{index}:\n{plan}");
+    }
     for index in [
         "outbox_ready_idx",
         "outbox_bucket_ready_idx",
@@ -165,6 +179,26 @@ async fn the_ordered_claim_goes_through_the_primary_key_on_a_fresh_backlog() {
     }
 }
 
+/// Every shard leased to `test` under token 7; each row's id (column 0) and
+/// shard (column 1), by id.
+async fn lease_every_shard(client: &tokio_postgres::Client) -> Vec<tokio_postgres::Row> {
+    client
+        .batch_execute(
+            "UPDATE outbox_relay_shard_leases
+                SET owner = 'test', token = 7, lease_until = now() + interval '1 hour';",
+        )
+        .await
+        .unwrap();
+    client
+        .query(
+            "SELECT o.id, l.shard FROM outbox o JOIN outbox_relay_shard_leases l
+               ON o.bucket >= l.bucket_lo AND o.bucket < l.bucket_hi ORDER BY o.id",
+            &[],
+        )
+        .await
+        .unwrap()
+}
+
 /// One mark PostgreSQL cannot store (a NUL in its text) among good ones:
 /// the others are written, the bad one is reported, nothing is kept back.
 #[tokio::test]
@@ -174,20 +208,11 @@ async fn a_mark_the_database_refuses_does_not_hold_back_the_others() {
     fill(&client, 5, 5).await;
     client
         .batch_execute(
-            "UPDATE outbox SET attempt_count = 1, locked_until = now() + interval '1 hour';
-             UPDATE outbox_relay_shard_leases
-                SET owner = 'test', token = 7, lease_until = now() + interval '1 hour';",
+            "UPDATE outbox SET attempt_count = 1, locked_until = now() + interval '1 hour';",
         )
         .await
         .unwrap();
-    let rows = client
-        .query(
-            "SELECT o.id, l.shard FROM outbox o JOIN outbox_relay_shard_leases l
-               ON o.bucket >= l.bucket_lo AND o.bucket < l.bucket_hi ORDER BY o.id",
-            &[],
-        )
-        .await
-        .unwrap();
+    let rows = lease_every_shard(&client).await;
     let writes = [
         Write::Published,
         Write::Dead {
@@ -216,9 +241,7 @@ async fn a_mark_the_database_refuses_does_not_hold_back_the_others() {
             (held, write)
         })
         .collect();
-    let store = Store {
-        pool: db.pool(2).unwrap(),
-    };
+    let store = Store::with_pool(db.pool(2).unwrap());
     let written = store.session().mark(&marks).await;
     assert!(written.error.is_none());
     assert!(written.unwritten.is_empty());
@@ -259,6 +282,7 @@ async fn a_reshard_after_leases_that_ended_makes_the_next_owner_wait() {
         id: id.to_owned(),
         hostname: "h".to_owned(),
         pid: 1,
+        instance: id.to_owned(),
     };
     let mut session = store.session();
     // Never held: nothing to wait for.
@@ -328,11 +352,7 @@ async fn claims_leave_out_the_rows_in_flight() {
         ids.sort();
         ids
     };
-    let scope = |ordered, out| outbox::ClaimScope {
-        fence,
-        ordered,
-        out,
-    };
+    let scope = |routes, out| outbox::ClaimScope { fence, routes, out };
     let everything = ids(&session
         .claim_due(&scope(&[], &[]), outbox::no_cursor(), 100)
         .await
@@ -348,11 +368,182 @@ async fn claims_leave_out_the_rows_in_flight() {
     // Key heads: ids 1..9 over three keys; the heads are 1, 2 and 3. With
     // head 1 out, its key has nothing to claim (its next event waits), and
     // the other two heads come back.
-    let ordered = ["order.%".to_owned()];
+    let ordered = outbox::RouteTypes {
+        like: "order.%".to_owned(),
+        unless: Vec::new(),
+    };
     let first = [everything[0]];
     let got = ids(&session
-        .claim_heads(&scope(&ordered, &first), &outbox::no_key_cursor(), 100)
+        .claim_heads(&scope(&[], &first), &ordered, &outbox::no_key_cursor(), 100)
         .await
         .unwrap());
     assert_eq!(got, [everything[1], everything[2]]);
+}
+
+/// QStash's "retrying" callback extends a held row's `locked_until`; the
+/// relay's own mark of that row can land after it (the mark is batched, and
+/// the callback may come first; or the row was sent again when its hold ran
+/// out, and the first copy's callback comes before the re-send's outcome).
+/// No mark may shorten or clear that hold: the key would move on, or the row
+/// be sent again, while QStash still retries it.
+#[tokio::test]
+async fn a_mark_never_shortens_a_hold_a_callback_extended() {
+    let db = TestDb::new().await.unwrap();
+    let client = db.client().await.unwrap();
+    fill(&client, 3, 3).await;
+    // Rows 2 and 3: held once, and the hold ran out (so they are claimed
+    // again for another send).
+    client
+        .batch_execute(
+            "UPDATE outbox SET attempt_count = 1, accepted_at = now() - interval '2 hours',
+                    locked_until = now() - interval '1 hour'
+              WHERE idempotency_key IN ('k2', 'k3')",
+        )
+        .await
+        .unwrap();
+    let store = Store::with_pool(db.pool(2).unwrap());
+    store.reshard(1).await.unwrap();
+    let fence = store
+        .seize_shard(ShardId::new(0), "test", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let mut session = store.session();
+    let scope = outbox::ClaimScope {
+        fence,
+        routes: &[],
+        out: &[],
+    };
+    let mut claimed = session
+        .claim_due(&scope, outbox::no_cursor(), 100)
+        .await
+        .unwrap();
+    claimed.sort_by_key(|c| c.row.id);
+    assert_eq!(claimed.len(), 3);
+    // The callbacks come first: each says QStash will retry, hold an hour.
+    for (c, key) in claimed.iter().zip(["k1", "k2", "k3"]) {
+        let marked = store
+            .reported_outcome(
+                c.row.id,
+                key,
+                callbacks::DeliveryOutcome::Retrying {
+                    hold: Duration::from_secs(3600),
+                },
+                "qstash: status 500 after 1 retries",
+            )
+            .await
+            .unwrap();
+        assert_eq!(marked, callbacks::ReportedOutcome::Marked);
+    }
+    // Then the relay's marks: QStash took row 1 (hold for a minute); the
+    // re-send of row 2 failed (retry), row 3's route paused (defer).
+    let marks = [
+        Write::Hold {
+            delay: Duration::from_secs(60),
+        },
+        Write::Retry {
+            delay: Duration::from_millis(100),
+            error: "HTTP 503",
+        },
+        Write::Defer {
+            delay: Duration::from_millis(100),
+            error: "route paused",
+        },
+    ];
+    let marks: Vec<(Held, Write)> = claimed.iter().map(|c| c.held(fence)).zip(marks).collect();
+    let written = session.mark(&marks).await;
+    assert!(written.error.is_none(), "{:?}", written.error);
+    assert_eq!(written.applied.len(), 3);
+    let holds: Vec<(String, bool)> = client
+        .query(
+            "SELECT idempotency_key, coalesce(locked_until > now() + interval '50 minutes', false)
+               FROM outbox ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(
+        holds,
+        [
+            ("k1".to_owned(), true),
+            ("k2".to_owned(), true),
+            ("k3".to_owned(), true)
+        ],
+        "a mark shortened or cleared the hour a callback asked for"
+    );
+}
+
+/// A flush split over two connections writes each part as one flush would:
+/// fenced by token (the rows claimed under a token that is not the shard's
+/// are refused, in both parts) and by attempt (a row marked twice in the
+/// flush, its two marks side by side at the split, applies once), and a bad
+/// value refused in one part is reported at its place in the whole flush.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flush_split_over_two_connections_is_fenced_like_one() {
+    let db = TestDb::new().await.unwrap();
+    let client = db.client().await.unwrap();
+    fill(&client, 1000, 50).await;
+    let rows = lease_every_shard(&client).await;
+    // Odd ids under a stale token; id 500 twice (the split falls on it);
+    // id 900 with a value PostgreSQL cannot store.
+    let mut marks: Vec<(Held, Write)> = Vec::new();
+    for row in &rows {
+        let id: i64 = row.get(0);
+        let held = Held {
+            id,
+            attempt: 0,
+            fence: Fence {
+                shard: ShardId::from_sql(row.get(1)),
+                token: if id % 2 == 1 { 6 } else { 7 },
+            },
+        };
+        let write = if id == 900 {
+            Write::Dead {
+                error: "\0",
+                attempted: true,
+            }
+        } else {
+            Write::Published
+        };
+        marks.push((held, write));
+        if id == 500 {
+            marks.push((held, Write::Published));
+        }
+    }
+    let store = Store::with_pool(db.pool(3).unwrap());
+    let mut sessions = vec![store.session(), store.session()];
+    let written = crate::store::mark::mark_split(&mut sessions, &marks).await;
+    assert!(written.error.is_none() && written.unwritten.is_empty());
+    let refused: Vec<usize> = written.refused.iter().map(|(i, _)| *i).collect();
+    let at_900 = marks.iter().position(|(h, _)| h.id == 900).unwrap();
+    assert_eq!(
+        refused,
+        [at_900],
+        "the bad value, at its place in the flush"
+    );
+    let mut applied: Vec<i64> = written.applied.iter().copied().collect();
+    applied.sort_unstable();
+    let even: Vec<i64> = (1..=1000).filter(|id| id % 2 == 0 && *id != 900).collect();
+    assert_eq!(applied, even, "only the current token's rows");
+    let counts: (i64, i64) = {
+        let row = client
+            .query_one(
+                "SELECT count(*) FILTER (WHERE published_at IS NOT NULL),
+                        count(*) FILTER (WHERE attempt_count > 1)
+                 FROM outbox",
+                &[],
+            )
+            .await
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    assert_eq!(
+        counts,
+        (499, 0),
+        "published once each; row 500 counted once"
+    );
+    // Both connections wrote.
+    assert!(sessions.iter().all(|s| s.failures() == 0));
 }

@@ -47,6 +47,10 @@ pub struct AnswerEvent {
     pub outbox_id: i64,
     #[serde(flatten)]
     pub kind: AnswerKind,
+    /// The outage whose answer this was (every request it hit fails alike),
+    /// `None` for an answer the sink gave on its own merits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outage: Option<OutageKind>,
 }
 
 /// A status that says "this message is refused", not "try again" or "the
@@ -56,19 +60,42 @@ pub fn is_permanent_rejection(status: u16) -> bool {
 }
 
 /// An outage as it happened, unix µs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OutageWindow {
     pub kind: OutageKind,
     pub start_us: i64,
     pub end_us: i64,
+    /// The destination path it was limited to; the whole sink when `None`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub route: Option<String>,
 }
 
 /// The outage in force.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct ActiveOutage {
     pub kind: OutageKind,
     pub until: Instant,
     pub until_wall: SystemTime,
+    pub route: Option<String>,
+}
+
+impl ActiveOutage {
+    /// Does it fail a request carrying messages to `destinations`?
+    pub(crate) fn applies<'a>(&self, mut destinations: impl Iterator<Item = &'a str>) -> bool {
+        match &self.route {
+            None => true,
+            Some(route) => destinations.any(|d| destination_path(d) == route),
+        }
+    }
+}
+
+/// The path of a destination URL (`http://host:port/a/b?q` -> `/a/b`).
+pub(crate) fn destination_path(destination: &str) -> &str {
+    let rest = destination
+        .split_once("://")
+        .map_or(destination, |(_, r)| r);
+    let path = rest.find('/').map_or("", |i| &rest[i..]);
+    path.split(['?', '#']).next().unwrap_or(path)
 }
 
 pub(crate) fn now_us() -> i64 {
@@ -417,5 +444,26 @@ mod tests {
         assert_eq!(back.as_array().unwrap().len(), 3);
         assert!(is_permanent_rejection(422) && !is_permanent_rejection(429));
         assert!(!is_permanent_rejection(503) && !is_permanent_rejection(401));
+    }
+
+    #[test]
+    fn a_route_outage_fails_only_requests_to_its_destination_path() {
+        let o = ActiveOutage {
+            kind: OutageKind::NotFound,
+            until: Instant::now(),
+            until_wall: SystemTime::now(),
+            route: Some("/hook/invoices".into()),
+        };
+        let to = |d: &'static [&'static str]| o.applies(d.iter().copied());
+        assert!(to(&["http://127.0.0.1:9/hook/invoices"]));
+        assert!(to(&[
+            "http://127.0.0.1:9/hook",
+            "http://h/hook/invoices?x=1"
+        ]));
+        assert!(!to(&["http://127.0.0.1:9/hook"]));
+        assert!(!to(&["http://127.0.0.1:9/hook/invoices/more"]));
+        let sink_wide = ActiveOutage { route: None, ..o };
+        assert!(sink_wide.applies(["http://127.0.0.1:9/hook"].into_iter()));
+        assert_eq!(destination_path("https://a.example"), "");
     }
 }

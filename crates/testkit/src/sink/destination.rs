@@ -100,6 +100,8 @@ pub struct Call {
     pub message_id: Option<String>,
     /// `Upstash-Retried`: 0 on the first attempt.
     pub retried: Option<u32>,
+    /// The W3C `traceparent` it carried (the producer's, forwarded).
+    pub traceparent: Option<String>,
     pub method: String,
     /// Path and query.
     pub target: String,
@@ -267,6 +269,7 @@ async fn answer(
             .map(str::to_owned),
         message_id: header("upstash-message-id"),
         retried: header("upstash-retried").and_then(|v| v.parse().ok()),
+        traceparent: header("traceparent"),
         method: parts.method.to_string(),
         target: parts
             .uri
@@ -474,6 +477,7 @@ mod tests {
             partition_key: Some(key.to_owned()),
             message_id: None,
             retried: None,
+            traceparent: None,
             method: "POST".into(),
             target: "/".into(),
             status,

@@ -121,8 +121,11 @@ impl Default for AdversarialConfig {
     }
 }
 
-/// One sink-wide outage: from `at` after the outages start, for `duration`,
-/// every request (or connection) fails the same way.
+/// One outage: from `at` after the outages start, for `duration`, every
+/// request (or connection) fails the same way. With `route`, only requests
+/// carrying a message to that destination path (e.g. `/hook/invoices`) fail,
+/// as a route's destination does during a deploy (404, 410, 503 for a few
+/// seconds) or while it is down; the rest are answered as usual.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OutageSpec {
@@ -131,6 +134,9 @@ pub struct OutageSpec {
     #[serde(with = "humantime_serde")]
     pub duration: Duration,
     pub kind: OutageKind,
+    /// The destination path whose requests fail; the whole sink when absent.
+    #[serde(default)]
+    pub route: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
@@ -142,6 +148,10 @@ pub enum OutageKind {
     Unauthorized,
     /// Every request answered 403.
     Forbidden,
+    /// Every request answered 404 (a destination mid-deploy).
+    NotFound,
+    /// Every request answered 410.
+    Gone,
     /// Every request answered 429, with `Retry-After`, `RateLimit-Reset` or
     /// `Burst-RateLimit-Reset` saying when the outage ends.
     RateLimited,
@@ -157,6 +167,8 @@ impl OutageKind {
             OutageKind::ServerError => "server_error",
             OutageKind::Unauthorized => "unauthorized",
             OutageKind::Forbidden => "forbidden",
+            OutageKind::NotFound => "not_found",
+            OutageKind::Gone => "gone",
             OutageKind::RateLimited => "rate_limited",
             OutageKind::Reset => "reset",
             OutageKind::Refused => "refused",
@@ -232,6 +244,19 @@ impl FaultConfig {
                     );
                 }
                 end = o.at + o.duration;
+                if let Some(route) = &o.route {
+                    if !route.starts_with('/') {
+                        return Err(format!(
+                            "faults.adversarial.outages: route `{route}` must be a destination path starting with /"
+                        ));
+                    }
+                    if matches!(o.kind, OutageKind::Reset | OutageKind::Refused) {
+                        return Err(format!(
+                            "faults.adversarial.outages: a {} outage cannot be limited to a route (the sink does not know the route before it reads the request)",
+                            o.kind.as_str()
+                        ));
+                    }
+                }
             }
         }
         let sum = self.request_fractions().iter().map(|(f, _)| f).sum::<f64>();

@@ -44,7 +44,9 @@
 //! judged message is kept with its headers and body ([`SinkHandle::received`]).
 //! The sink also takes webhook POSTs under `/hook` (no token; answered `204`,
 //! or as the rule says), so one server stands in for QStash and for a
-//! webhook destination.
+//! webhook destination; an accepted one is a [`Record`] too (its
+//! `webhook-id` as the deduplication id), so a run through a webhook route is
+//! verified and timed like one through QStash.
 //!
 //! Besides the records, the sink logs what it *answered* about each message
 //! ([`AnswerEvent`]): accepted readably, taken but answered unreadably, rejected
@@ -60,6 +62,7 @@ pub mod adversary;
 pub mod delivery;
 pub mod destination;
 pub mod faults;
+pub mod load;
 pub mod rules;
 pub mod signing;
 
@@ -95,6 +98,7 @@ pub use destination::{
 };
 pub use faults::{AdversarialConfig, FaultConfig, OutageKind, OutageSpec};
 use faults::{FaultState, RequestFault};
+pub use load::DestinationLoad;
 use rules::Rules;
 pub use rules::{RawAnswer, Received, Reply};
 pub use signing::{DEV_CURRENT_SIGNING_KEY, DEV_NEXT_SIGNING_KEY, DEV_TOKEN};
@@ -261,6 +265,10 @@ struct Shared {
     /// Whether the listener is open.
     listening: watch::Sender<bool>,
     rules: Rules,
+    /// Arrivals and requests in flight per webhook destination.
+    load: load::Load,
+    /// How long each webhook answer is held.
+    webhook_delay: Mutex<Duration>,
 }
 
 /// Starts sinks: `Sink::start(SinkConfig::default()).await?`.
@@ -304,6 +312,8 @@ impl Sink {
             refuse: watch::channel(false).0,
             listening: watch::channel(true).0,
             rules: Rules::new(config.keep_messages),
+            load: load::Load::default(),
+            webhook_delay: Mutex::new(Duration::ZERO),
         });
         let server = tokio::spawn(accept_loop(listener, Arc::clone(&shared)));
         Ok(SinkHandle {
@@ -435,6 +445,17 @@ impl SinkHandle {
         self.shared.rules.set_batch_rule(Box::new(rule));
     }
 
+    /// Every webhook request is held this long before it is answered.
+    pub fn set_webhook_delay(&self, delay: Duration) {
+        *self.shared.webhook_delay.lock().expect("delay lock") = delay;
+    }
+
+    /// What the webhook destination `/hook/<name>` received so far: each
+    /// request's arrival and the most in flight at once.
+    pub fn load(&self, destination: &str) -> DestinationLoad {
+        self.shared.load.of(destination)
+    }
+
     /// Every QStash request waits this long before it is answered (the
     /// faults' `latency`, kept apart from their random draws).
     pub fn set_delay(&self, delay: Duration) {
@@ -564,11 +585,12 @@ async fn run_outages(shared: Arc<Shared>, specs: Vec<OutageSpec>) {
             kind: o.kind,
             until,
             until_wall: SystemTime::now() + o.duration,
+            route: o.route.clone(),
         });
         if o.kind == OutageKind::Refused {
             shared.refuse.send_replace(true);
         }
-        tracing::info!(kind = o.kind.as_str(), duration = ?o.duration, "sink: outage starts");
+        tracing::info!(kind = o.kind.as_str(), route = ?o.route, duration = ?o.duration, "sink: outage starts");
         tokio::select! {
             _ = tokio::time::sleep_until(until.into()) => {}
             _ = stopped(&mut shutdown) => return,
@@ -591,6 +613,7 @@ async fn run_outages(shared: Arc<Shared>, specs: Vec<OutageSpec>) {
                 kind: o.kind,
                 start_us,
                 end_us: adversary::now_us(),
+                route: o.route.clone(),
             });
         tracing::info!(kind = o.kind.as_str(), "sink: outage ends");
     }
@@ -748,14 +771,22 @@ async fn webhook(
     parts: http::request::Parts,
     body: Incoming,
 ) -> Result<Resp, Infallible> {
+    let _in_flight = shared.load.arrived(parts.uri.path());
     let body = match read_body(shared, body).await {
         Ok(b) => b,
         Err(refused) => return Ok(refused),
     };
+    let delay = *shared.webhook_delay.lock().expect("delay lock");
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
     let (msg, reply) =
         shared
             .rules
             .judge(Received::webhook(parts.uri.path(), &parts.headers, &body));
+    if reply == Reply::Accept {
+        shared.record_webhook(&msg);
+    }
     shared.rules.record(vec![msg]);
     Ok(reply.refusal().unwrap_or_else(|| {
         Response::builder()
@@ -817,7 +848,10 @@ async fn handle(
     };
     let ids: Vec<Option<i64>> = messages.iter().map(|m| m.outbox_id(None)).collect();
     let batch = matches!(endpoint, Endpoint::Batch);
-    if let Some(outage) = shared.active_outage() {
+    if let Some(outage) = shared
+        .active_outage()
+        .filter(|o| o.applies(messages.iter().map(|m| m.destination.as_str())))
+    {
         return shared.outage_answer(outage, &ids, &kill).await;
     }
 
@@ -1209,6 +1243,39 @@ enum Outcome {
 }
 
 impl Shared {
+    /// An accepted webhook POST in the ledger, as a message QStash took: its
+    /// `webhook-id` as the deduplication id (not deduplicated: a webhook
+    /// destination takes every call), the body's `partitionKey` and
+    /// `createdAt`. So a run through a webhook route is verified and timed
+    /// like one through QStash.
+    fn record_webhook(&self, msg: &Received) {
+        let json: Option<Value> = serde_json::from_str(&msg.body).ok();
+        let field = |k: &str| json.as_ref().and_then(|j| j.get(k));
+        let partition_key = field("partitionKey")
+            .and_then(Value::as_str)
+            .map(str::to_owned);
+        let created_at_us = field("createdAt").and_then(timestamp_us);
+        let n = {
+            let mut ledger = self.ledger.lock().expect("ledger lock");
+            let seq = ledger.records.len() as u64;
+            ledger.records.push(Record {
+                seq,
+                message_id: format!("msg_{}", uuid::Uuid::new_v4().simple()),
+                dedup_id: (!msg.dedup_id.is_empty()).then(|| msg.dedup_id.clone()),
+                outbox_id: msg.outbox_id,
+                partition_key,
+                destination: msg.destination.clone(),
+                received_at_us: chrono::Utc::now().timestamp_micros(),
+                deduplicated: false,
+                created_at_us,
+                via_batch: false,
+            });
+            ledger.records.len()
+        };
+        bump(&self.counters.accepted);
+        self.recorded.send_replace(n);
+    }
+
     /// Judges the messages by the rules (when active): a batch rule's answer,
     /// or the first refusal, answers the request; else they go on.
     fn apply_rules(&self, batch: bool, messages: Vec<Message>, ids: &[Option<i64>]) -> Ruled {
@@ -1282,6 +1349,16 @@ impl Shared {
 
     /// Logs one answer per message with an outbox id; `kind(i)` for message `i`.
     fn log_answers(&self, ids: &[Option<i64>], kind: impl Fn(usize) -> AnswerKind) {
+        self.log_answers_of(ids, kind, None);
+    }
+
+    /// [`Self::log_answers`], saying which outage (if any) gave them.
+    fn log_answers_of(
+        &self,
+        ids: &[Option<i64>],
+        kind: impl Fn(usize) -> AnswerKind,
+        outage: Option<OutageKind>,
+    ) {
         let at_us = adversary::now_us();
         let mut ledger = self.ledger.lock().expect("ledger lock");
         for (i, id) in ids.iter().enumerate() {
@@ -1290,6 +1367,7 @@ impl Shared {
                     at_us,
                     outbox_id,
                     kind: kind(i),
+                    outage,
                 });
             }
         }
@@ -1298,10 +1376,10 @@ impl Shared {
     /// The outage in force, if any.
     fn active_outage(&self) -> Option<ActiveOutage> {
         let mut o = self.outage.lock().expect("outage lock");
-        if o.is_some_and(|a| Instant::now() >= a.until) {
+        if o.as_ref().is_some_and(|a| Instant::now() >= a.until) {
             *o = None;
         }
-        *o
+        o.clone()
     }
 
     /// Every request in an outage fails the same way.
@@ -1316,19 +1394,28 @@ impl Shared {
             OutageKind::ServerError => StatusCode::SERVICE_UNAVAILABLE,
             OutageKind::Unauthorized => StatusCode::UNAUTHORIZED,
             OutageKind::Forbidden => StatusCode::FORBIDDEN,
+            OutageKind::NotFound => StatusCode::NOT_FOUND,
+            OutageKind::Gone => StatusCode::GONE,
             OutageKind::RateLimited => StatusCode::TOO_MANY_REQUESTS,
             OutageKind::Reset | OutageKind::Refused => {
-                self.log_answers(ids, |_| AnswerKind::Failed { status: 0 });
+                self.log_answers_of(ids, |_| AnswerKind::Failed { status: 0 }, Some(o.kind));
                 return reset(kill).await;
             }
         };
-        self.log_answers(ids, |_| AnswerKind::Failed {
-            status: status.as_u16(),
-        });
+        let status_code = status.as_u16();
+        self.log_answers_of(
+            ids,
+            |_| AnswerKind::Failed {
+                status: status_code,
+            },
+            Some(o.kind),
+        );
         Ok(match o.kind {
             OutageKind::RateLimited => self.rate_limited(Some(o.until_wall)),
             OutageKind::Unauthorized => self.error_answer(status, "Unauthorized"),
             OutageKind::Forbidden => self.error_answer(status, "Forbidden: quota or plan"),
+            OutageKind::NotFound => self.error_answer(status, "not found (deploy in progress)"),
+            OutageKind::Gone => self.error_answer(status, "gone (deploy in progress)"),
             _ => self.error_answer(status, "service unavailable (outage)"),
         })
     }

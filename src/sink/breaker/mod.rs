@@ -1,11 +1,16 @@
 //! A circuit breaker per route. When failures are about the sink rather than
 //! the event (our credentials refused, a quota or rate limit, connections
-//! refused, or every request failing), the route pauses with backoff instead
-//! of spending every row's attempts: a revoked token or a destination down
-//! for ten minutes must not dead-letter the backlog. While a route is paused
-//! its rows are put back (deferred) without counting an attempt; when the
-//! pause ends one request probes the sink, and its answer closes the breaker
-//! or pauses the route again, for twice as long.
+//! refused, or every request failing or refused), the route pauses with
+//! backoff instead of spending every row's attempts: a revoked token, a
+//! consumer being redeployed or a destination down for ten minutes must not
+//! dead-letter the backlog. While a route is paused its rows are put back
+//! (deferred) without counting an attempt; when the pause ends one request
+//! probes the sink, and its answer closes the breaker or pauses the route
+//! again, for twice as long. A final verdict (a 4xx, the last attempt
+//! failing) is carried out only once the route accepted another message
+//! since the event first failed ([`witness`]).
+
+pub(crate) mod witness;
 
 use std::collections::HashSet;
 use std::sync::Mutex;
@@ -15,15 +20,19 @@ use metrics::{counter, gauge};
 
 use super::{Outcome, RetryReason};
 use crate::metrics as m;
+use witness::{Verdict, Witnesses};
 
-/// Requests in a row that fail (5xx, timeouts, broken connections,
-/// unreadable answers) without one success before the route pauses...
+/// Requests in a row that fail (5xx, 4xx about the message, timeouts, broken
+/// connections, unreadable answers) without one acceptance before the route
+/// pauses...
 pub(crate) const FAILING_REQUESTS: u32 = 5;
-/// ...when they carried at least this many different events. Fewer events
-/// failing again and again while nothing else is sent look like poison
-/// events (a handler that crashes on them), which spend their own attempts
-/// and end dead-lettered, rather than like an outage.
-pub const FAILING_EVENTS: usize = 10;
+/// ...when they carried at least this many different events. One event
+/// failing alone again and again while nothing else is sent may be that
+/// event's fault; two or more failing together, with nothing accepted in
+/// between, is the route's (a route with two pending events in an outage
+/// pauses too). A busy healthy route is not paused by a stray 5xx: that
+/// takes five whole requests in a row failing.
+pub const FAILING_EVENTS: usize = 2;
 /// The first pause; each failed probe doubles it, up to the breaker's longest
 /// pause: half the row lease, within [`PAUSE_MIN`] and [`PAUSE_MAX`], so a
 /// sink that comes back is probed again well within a lease.
@@ -35,11 +44,22 @@ pub(crate) fn longest_pause(lease: Duration) -> Duration {
     (lease / 2).clamp(PAUSE_MIN, PAUSE_MAX)
 }
 
+/// The `cause` label values of a pause: the reasons that pause a route at
+/// once ([`health`]'s `Down`), and `failing`.
+pub(crate) const PAUSE_CAUSES: [&str; 5] = [
+    "unauthorized",
+    "rate_limited",
+    "connect",
+    "redirect",
+    FAILING_CAUSE,
+];
+const FAILING_CAUSE: &str = "failing";
+
 /// What a delivery's outcomes say about the sink.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Health {
-    /// The sink answered about the messages themselves (accepted, or refused
-    /// one message for its content).
+    /// The sink accepted a message, or answered about each message on its own
+    /// (a QStash batch element's error).
     Up,
     /// The sink refuses all work for now: credentials, quota, no connection.
     Down {
@@ -48,7 +68,8 @@ pub(crate) enum Health {
         cause: &'static str,
         error: String,
     },
-    /// Every message of the request failed in a way that may be the sink's.
+    /// Every message of the request failed or was refused (a 4xx about the
+    /// message): the sink's fault when it happens to several events in a row.
     Failing { error: String },
     /// Nothing reached the sink (no request was made).
     Unknown,
@@ -61,7 +82,9 @@ pub(crate) fn health(outcomes: &[Outcome]) -> Health {
     for outcome in outcomes {
         match outcome {
             Outcome::Published => return Health::Up,
-            Outcome::Dead { reason, .. } if reason.reached_sink() => return Health::Up,
+            Outcome::Dead { reason, error } if reason.reached_sink() => {
+                failing.get_or_insert_with(|| error.clone());
+            }
             Outcome::Dead { .. } => {}
             Outcome::Retry {
                 after,
@@ -99,6 +122,22 @@ pub(crate) fn health(outcomes: &[Outcome]) -> Health {
         (None, Some(error)) => Health::Failing { error },
         (None, None) => Health::Unknown,
     }
+}
+
+/// The kind of a failure, for [`witness`]: a retry's reason; a verdict's
+/// reason and what its error starts with (`HTTP 404`, `qstash`).
+pub(crate) fn failure_kind(outcome: &Outcome) -> witness::Kind {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    match outcome {
+        Outcome::Published => 0u8.hash(&mut h),
+        Outcome::Retry { reason, .. } => (1u8, reason.as_str()).hash(&mut h),
+        Outcome::Dead { reason, error } => {
+            let head = error.split(':').next().unwrap_or_default();
+            (2u8, reason.as_str(), head).hash(&mut h)
+        }
+    }
+    h.finish()
 }
 
 /// May a delivery go ahead?
@@ -148,6 +187,7 @@ pub(crate) struct Breaker {
     probe_timeout: Duration,
     longest_pause: Duration,
     state: Mutex<State>,
+    witnesses: Mutex<Witnesses>,
 }
 
 impl Breaker {
@@ -158,7 +198,77 @@ impl Breaker {
             probe_timeout: request_timeout * 2,
             longest_pause,
             state: Mutex::new(State::closed()),
+            witnesses: Mutex::new(Witnesses::default()),
         }
+    }
+
+    /// Takes what a delivery of the events `ids`, sent at `sent` and
+    /// answered at `now`, found out (`outcomes`, one per event): what it says
+    /// about the sink, and which events the route accepted and which failed.
+    /// Returns when the route is paused until (with the reason) if it is
+    /// paused now.
+    pub(crate) fn record(
+        &self,
+        outcomes: &[Outcome],
+        ids: &[i64],
+        sent: Instant,
+        now: Instant,
+    ) -> Option<(Instant, String)> {
+        let unexplained = {
+            let mut witnesses = self.witnesses.lock().expect("witness lock");
+            let mut beside = false;
+            for (id, outcome) in ids.iter().zip(outcomes) {
+                if *outcome == Outcome::Published {
+                    witnesses.accepted(*id, sent, now);
+                    beside = true;
+                }
+            }
+            for (id, outcome) in ids.iter().zip(outcomes) {
+                let failed = match outcome {
+                    Outcome::Published => false,
+                    Outcome::Retry { .. } => true,
+                    Outcome::Dead { reason, .. } => reason.reached_sink(),
+                };
+                if failed {
+                    // An acceptance in this same answer witnesses the others,
+                    // and so does an error element of a readable batch
+                    // answer: the sink judged that message on its own.
+                    let judged = matches!(
+                        outcome,
+                        Outcome::Retry {
+                            reason: RetryReason::BatchElement,
+                            ..
+                        }
+                    );
+                    witnesses.failed(*id, now, failure_kind(outcome), beside || judged);
+                }
+            }
+            witnesses.unexplained(ids)
+        };
+        let health = health(outcomes);
+        if matches!(health, Health::Failing { .. }) && unexplained.is_empty() {
+            // Only events that failed while the route accepted others: their
+            // failures are their own (they spend their attempts and end
+            // dead-lettered), not the route's. A probe that fails so still
+            // pauses the route again.
+            if matches!(
+                *self.state.lock().expect("breaker lock"),
+                State::Closed { .. }
+            ) {
+                return None;
+            }
+        }
+        self.record_health(health, &unexplained, now)
+    }
+
+    /// Event `id` reached a final verdict (refused for itself, or its last
+    /// attempt failed) in the answer to a request sent at `sent`: carry it
+    /// out, or defer it until it has a witness ([`witness`]).
+    pub(crate) fn verdict(&self, id: i64, sent: Instant, now: Instant) -> Verdict {
+        self.witnesses
+            .lock()
+            .expect("witness lock")
+            .verdict(id, sent, now, self.longest_pause)
     }
 
     pub(crate) fn admit(&self, now: Instant) -> Admit {
@@ -201,9 +311,9 @@ impl Breaker {
         }
     }
 
-    /// Takes what a delivery of the events `ids` found out; returns when the
-    /// route is paused until (with the reason) if it is paused now.
-    pub(crate) fn record(
+    /// Takes what a delivery of the events `ids` says about the sink; returns
+    /// when the route is paused until (with the reason) if it is paused now.
+    fn record_health(
         &self,
         health: Health,
         ids: &[i64],
@@ -241,7 +351,7 @@ impl Breaker {
                         return None;
                     }
                 }
-                ("failing", error, None)
+                (FAILING_CAUSE, error, None)
             }
             Health::Down {
                 after,
@@ -278,6 +388,15 @@ impl Breaker {
         Some((until, error))
     }
 
+    /// While the route has not resumed (paused, or probing the sink after a
+    /// pause): the error that paused it.
+    pub(crate) fn pause_error(&self) -> Option<String> {
+        match &*self.state.lock().expect("breaker lock") {
+            State::Closed { .. } => None,
+            State::Open { error, .. } | State::Probing { error, .. } => Some(error.clone()),
+        }
+    }
+
     /// When the route is paused and no probe is due, until when.
     pub(crate) fn paused_until(&self, now: Instant) -> Option<Instant> {
         match &*self.state.lock().expect("breaker lock") {
@@ -311,6 +430,15 @@ impl Breakers {
         &self.routes[index]
     }
 
+    /// The routes that have not resumed since their last pause, by name,
+    /// with the error that paused each.
+    pub(crate) fn paused(&self) -> Vec<(String, String)> {
+        self.routes
+            .iter()
+            .filter_map(|b| b.pause_error().map(|e| (b.route.clone(), e)))
+            .collect()
+    }
+
     /// When every route is paused: the earliest end of a pause (claiming
     /// before then would only put rows back).
     pub(crate) fn all_paused_until(&self, now: Instant) -> Option<Instant> {
@@ -327,139 +455,4 @@ impl Breakers {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::sink::DeadReason;
-
-    fn retry(reason: RetryReason) -> Outcome {
-        Outcome::Retry {
-            after: None,
-            reason,
-            error: "e".into(),
-        }
-    }
-
-    #[test]
-    fn outcomes_tell_the_sink_from_the_event() {
-        assert_eq!(
-            health(&[retry(RetryReason::ServerError), Outcome::Published]),
-            Health::Up
-        );
-        assert_eq!(health(&[retry(RetryReason::BatchElement)]), Health::Up);
-        assert!(matches!(
-            health(&[
-                retry(RetryReason::ServerError),
-                retry(RetryReason::Unauthorized)
-            ]),
-            Health::Down {
-                cause: "unauthorized",
-                ..
-            }
-        ));
-        assert!(matches!(
-            health(&[retry(RetryReason::Timeout)]),
-            Health::Failing { .. }
-        ));
-        let no_route = Outcome::Dead {
-            reason: DeadReason::NoRoute,
-            error: "x".into(),
-        };
-        assert_eq!(health(&[no_route]), Health::Unknown);
-    }
-
-    #[test]
-    fn pauses_probes_and_backs_off() {
-        let b = Breaker::new("r", Duration::from_secs(1), Duration::from_secs(30));
-        let t0 = Instant::now();
-        let ids: Vec<i64> = (0..FAILING_EVENTS as i64).collect();
-        let fail = || Health::Failing {
-            error: "500".into(),
-        };
-        // The same few events failing again and again: poison, not an outage.
-        for _ in 0..FAILING_REQUESTS * 3 {
-            assert_eq!(b.record(fail(), &ids[..3], t0), None);
-        }
-        assert_eq!(b.record(Health::Up, &ids, t0), None);
-        for _ in 1..FAILING_REQUESTS {
-            assert_eq!(b.record(fail(), &ids, t0), None);
-        }
-        let (until, _) = b.record(fail(), &ids, t0).expect("paused at the threshold");
-        assert_eq!(until, t0 + PAUSE_MIN);
-        assert!(matches!(b.admit(t0), Admit::Paused { .. }));
-        // The pause ends: one probe goes, the others wait for it.
-        assert_eq!(b.admit(until), Admit::Send);
-        assert!(matches!(b.admit(until), Admit::Paused { .. }));
-        // The probe fails: paused twice as long.
-        let (again, _) = b.record(fail(), &ids[..1], until).unwrap();
-        assert_eq!(again, until + PAUSE_MIN * 2);
-        // A probe that never reports is given up after the probe timeout.
-        assert_eq!(b.admit(again), Admit::Send);
-        assert!(matches!(b.admit(again), Admit::Paused { .. }));
-        assert_eq!(b.admit(again + Duration::from_secs(2)), Admit::Send);
-        assert_eq!(b.record(Health::Up, &ids, again), None);
-        assert_eq!(b.admit(again), Admit::Send);
-    }
-
-    #[test]
-    fn a_pause_never_outgrows_half_the_lease() {
-        assert_eq!(
-            longest_pause(Duration::from_secs(10)),
-            Duration::from_secs(5)
-        );
-        assert_eq!(longest_pause(Duration::from_secs(600)), PAUSE_MAX);
-        let b = Breaker::new("r", Duration::from_secs(1), Duration::from_secs(5));
-        let mut now = Instant::now();
-        let down = || Health::Down {
-            after: None,
-            cause: "connect",
-            error: "refused".into(),
-        };
-        let mut pauses = Vec::new();
-        for _ in 0..6 {
-            let (until, _) = b.record(down(), &[1], now).unwrap();
-            pauses.push(until - now);
-            now = until;
-            assert_eq!(b.admit(now), Admit::Send, "the probe");
-        }
-        assert_eq!(pauses.iter().max(), Some(&Duration::from_secs(5)));
-        // A 429 that says when it lifts is believed, even sooner than the backoff.
-        let (until, _) = b
-            .record(
-                Health::Down {
-                    after: Some(Duration::from_millis(300)),
-                    cause: "rate_limited",
-                    error: "429".into(),
-                },
-                &[1],
-                now,
-            )
-            .unwrap();
-        assert_eq!(until, now + Duration::from_millis(300));
-    }
-
-    #[test]
-    fn a_sink_that_asks_for_longer_is_given_it() {
-        let b = Breaker::new("r", Duration::from_secs(1), Duration::from_secs(30));
-        let t0 = Instant::now();
-        let (until, error) = b
-            .record(
-                Health::Down {
-                    after: Some(Duration::from_secs(30)),
-                    cause: "rate_limited",
-                    error: "HTTP 429".into(),
-                },
-                &[1],
-                t0,
-            )
-            .unwrap();
-        assert_eq!(until, t0 + Duration::from_secs(30));
-        assert!(error.contains("rate_limited") && error.contains("429"));
-        let all = Breakers {
-            routes: vec![
-                b,
-                Breaker::new("s", Duration::from_secs(1), Duration::from_secs(30)),
-            ],
-        };
-        assert_eq!(all.all_paused_until(t0), None, "one route still open");
-    }
-}
+mod tests;

@@ -222,6 +222,14 @@ impl Limits {
         blocked.get(to).cloned()
     }
 
+    /// Whether no destination is waited for after a `429` of its own (and
+    /// forgets those whose wait is over).
+    fn nothing_blocked(&self, now: Instant) -> bool {
+        let mut blocked = self.blocked.lock().expect("limits lock");
+        blocked.retain(|_, l| l.blocked_after(now));
+        blocked.is_empty()
+    }
+
     /// Makes every request to `to` wait until `until` (it answered `429`);
     /// whether the wait grew.
     fn block(&self, to: &HostPort, until: Instant) -> bool {
@@ -244,6 +252,10 @@ impl Limits {
             return rows.iter().map(|_| Admission::Go(Ticket::now())).collect();
         }
         let own = self.routes.get(route.index).and_then(Option::as_ref);
+        if own.is_none() && self.configured.is_empty() && self.nothing_blocked(now) {
+            // Nothing can limit these rows: no destination needs parsing.
+            return rows.iter().map(|_| admit_one(&[], now)).collect();
+        }
         rows.iter()
             .map(|row| {
                 let host = HostPort::of(route, row).and_then(|to| self.host(&to));
@@ -270,6 +282,19 @@ impl Limits {
         let own = self.routes.get(route.index).and_then(Option::as_ref);
         if let Some(l) = own {
             l.took(took);
+        }
+        let rate_limited = outcomes.iter().any(|o| {
+            matches!(
+                o,
+                Outcome::Retry {
+                    reason: RetryReason::RateLimited,
+                    ..
+                }
+            )
+        });
+        if !rate_limited && self.configured.is_empty() && self.nothing_blocked(now) {
+            // No host limiter to tell the requests' time, no 429 to keep.
+            return;
         }
         for (row, outcome) in rows.iter().zip(outcomes) {
             let Some(to) = HostPort::of(route, row) else {

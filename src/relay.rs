@@ -137,7 +137,8 @@ impl Relay {
             .map_err(|e| RelayError::Config(e.to_string()))?;
         let tenants = r
             .tenant_weights()
-            .map_err(|e| RelayError::Config(e.to_string()))?;
+            .map_err(|e| RelayError::Config(e.to_string()))?
+            .map(|w| Arc::new(TenantWeights::new(w)));
         // Each role's sessions on the actors' pool, with its statement timeout.
         let timeouts = &db.statement_timeout;
         let limited = |t: Option<Duration>| match t {
@@ -166,7 +167,7 @@ impl Relay {
             return Err(RelayError::Config(identity::name_taken(&replica, &holder)));
         }
         let marker_port = MarkerPort::default();
-        let publishers = Publishers::new(r.publishers as usize);
+        let publishers = Publishers::new(r.publishers as usize, tenants.clone());
         let claimers = Claimers::new(ClaimerContext {
             store: limited(timeouts.claims()),
             settings: ClaimSettings {
@@ -175,7 +176,7 @@ impl Relay {
                 poll_interval: r.poll_interval,
                 routes: Arc::new(ClaimRoutes::new(&router)),
                 job_rows: config.qstash.batch_size.get(),
-                tenants: tenants.map(|w| Arc::new(TenantWeights::new(w))),
+                tenants,
             },
             in_flight: Arc::clone(&in_flight),
             breakers: Arc::clone(&breakers),
@@ -202,6 +203,7 @@ impl Relay {
             ownership: Arc::clone(&ownership),
             request_timeout: config.http.request_timeout,
             marker: marker_port.clone(),
+            jobs: publishers.jobs(),
             telemetry: Telemetry::default(),
             #[cfg(test)]
             hooks: Default::default(),

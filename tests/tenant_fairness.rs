@@ -63,12 +63,56 @@ async fn a_tenants_backlog_does_not_hold_back_another_tenants_events() {
         "the backlog's delivery did not start"
     );
 
+    let (a_between, a_pending_at_commit) = b_commits_and_arrives(&db, &sink, &client).await;
+
+    // All of it is delivered in the end, nothing lost.
+    drains_and_stops(&db, relay, Duration::from_secs(300)).await;
+    eprintln!(
+        "{a_between} of A's events arrived between B's commit and B's last event; \
+         A had {a_pending_at_commit} pending at B's commit"
+    );
+
+    // The rows out when B committed (at most max_in_flight) and one claim
+    // of each shard's claimer (8 shards of claim_batch rows; B's claimer
+    // competes with the others for the in-flight room), twice over for a
+    // slow machine: still a small part of the backlog left at B's commit,
+    // which is what B waits behind without fairness.
+    let bound = 2 * (MAX_IN_FLIGHT + SHARDS * CLAIM_BATCH);
+    assert!(
+        a_pending_at_commit as usize >= 10 * bound,
+        "B must commit while A has a real backlog left ({a_pending_at_commit} pending)"
+    );
+    assert!(
+        a_between <= bound,
+        "{a_between} of tenant A's events reached the sink between tenant B's commit and B's last \
+         event (bound {bound}; A had {a_pending_at_commit} pending at B's commit)"
+    );
+}
+
+/// Waits until nothing is pending (all of it delivered, nothing lost), then
+/// stops the relay.
+async fn drains_and_stops(db: &outbox_testkit::TestDb, relay: Relay, within: Duration) {
+    assert!(
+        wait_until(within, || async { pending(db).await == 0 }).await,
+        "the backlog did not drain"
+    );
+    relay.shutdown().await;
+}
+
+/// Commits tenant B's events and waits for all of them at the sink: how
+/// many of A's events reached the sink between B's commit and B's last
+/// event, and how many of A's were pending at B's commit.
+async fn b_commits_and_arrives(
+    db: &outbox_testkit::TestDb,
+    sink: &outbox_testkit::sink::SinkHandle,
+    client: &tokio_postgres::Client,
+) -> (usize, i64) {
     // Read before B's commit: every record after it may have come after the
     // commit (an overcount of A's arrivals, never an undercount).
     let before_commit = sink.record_count();
-    insert_rows(&client, TENANT_B, "b", B_EVENTS).await;
+    insert_rows(client, TENANT_B, "b", B_EVENTS).await;
     let a_pending_at_commit = common::count(
-        &db,
+        db,
         &format!(
             "SELECT count(*) FROM outbox WHERE tenant_id = '{TENANT_A}'
                AND published_at IS NULL AND dead_lettered_at IS NULL"
@@ -76,7 +120,7 @@ async fn a_tenants_backlog_does_not_hold_back_another_tenants_events() {
     )
     .await;
     let b_ids: HashSet<i64> = common::column::<i64, _>(
-        &client,
+        client,
         &format!("SELECT id FROM outbox WHERE tenant_id = '{TENANT_B}'"),
     )
     .await;
@@ -105,35 +149,64 @@ async fn a_tenants_backlog_does_not_hold_back_another_tenants_events() {
         .filter(|r| r.seq >= before_commit as u64 && r.seq < last_b)
         .filter(|r| r.outbox_id.is_some_and(|id| !b_ids.contains(&id)))
         .count();
+    (a_between, a_pending_at_commit)
+}
 
-    // All of it is delivered in the end, nothing lost.
+/// Behind the claim: with the destination slow, the rows out are mostly
+/// jobs waiting for a publisher. Tenant B's rows must neither wait for
+/// room (tenant A fills at most four fifths of it) nor queue behind A's
+/// jobs (the tenants' jobs take turns). Before both, B's events came after
+/// about every row A had out when B committed (`MAX_IN_FLIGHT`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_tenants_events_do_not_queue_behind_a_backlogs_claimed_rows() {
+    const OUT: usize = 600;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
+    // Two publishers, ten rows a request, 200 ms a request: about 100
+    // events/s, so the rows out are six seconds of work.
+    sink.set_delay(Duration::from_millis(200));
+    let client = db.client().await.unwrap();
+    insert_rows(&client, TENANT_A, "a", 5_000).await;
+    client.batch_execute("ANALYZE outbox").await.unwrap();
+    let toml = config_toml_with(
+        &db,
+        &sink.url(),
+        &format!(
+            "[relay]\ntenant_fairness = true\nclaim_batch = {CLAIM_BATCH}\nmax_in_flight = {OUT}\npublishers = 2\n[qstash]\nbatch_size = 10\n"
+        ),
+        QSTASH_ROUTE,
+    );
+    let relay = Relay::start(Config::from_toml_str(&toml).unwrap())
+        .await
+        .unwrap();
+    // Well into the backlog: A's rows fill their room.
     assert!(
-        wait_until(Duration::from_secs(300), || async {
-            pending(&db).await == 0
+        wait_until(Duration::from_secs(60), || async {
+            sink.record_count() >= 200 && relay.in_flight() >= OUT * 3 / 4
         })
         .await,
-        "the backlog did not drain"
+        "A's rows never filled the room ({} in flight)",
+        relay.in_flight()
     );
-    relay.shutdown().await;
+    let (a_between, a_pending_at_commit) = b_commits_and_arrives(&db, &sink, &client).await;
+    sink.set_delay(Duration::ZERO);
+    drains_and_stops(&db, relay, Duration::from_secs(120)).await;
     eprintln!(
         "{a_between} of A's events arrived between B's commit and B's last event; \
-         A had {a_pending_at_commit} pending at B's commit"
-    );
-
-    // The rows out when B committed (at most max_in_flight) and one claim
-    // of each shard's claimer (8 shards of claim_batch rows; B's claimer
-    // competes with the others for the in-flight room), twice over for a
-    // slow machine: still a small part of the backlog left at B's commit,
-    // which is what B waits behind without fairness.
-    let bound = 2 * (MAX_IN_FLIGHT + SHARDS * CLAIM_BATCH);
-    assert!(
-        a_pending_at_commit as usize >= 10 * bound,
-        "B must commit while A has a real backlog left ({a_pending_at_commit} pending)"
+         A had {a_pending_at_commit} pending at B's commit, {OUT} the room"
     );
     assert!(
-        a_between <= bound,
-        "{a_between} of tenant A's events reached the sink between tenant B's commit and B's last \
-         event (bound {bound}; A had {a_pending_at_commit} pending at B's commit)"
+        a_pending_at_commit as usize > 2 * OUT,
+        "B must commit while A has a backlog ({a_pending_at_commit} pending)"
+    );
+    // What was in the requests at B's commit (two of ten rows), and about a
+    // second and a half of A's events while B's claims ran on a slow
+    // machine: half the rows A had out.
+    assert!(
+        a_between <= OUT / 2,
+        "{a_between} of tenant A's events reached the sink between tenant B's commit and B's \
+         last event (bound {}; A had up to {OUT} out)",
+        OUT / 2
     );
 }
 

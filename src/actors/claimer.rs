@@ -20,8 +20,9 @@ use ractor::{Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef};
 
 use super::claim_plan::{ClaimPlan, ClaimRoutes, TenantWeights};
 use super::inflight::{InFlight, Lease};
+use super::job_queue::Job;
 use super::marker::{Mark, Marked, MarkerPort};
-use super::publisher::{PublisherMsg, Publishers};
+use super::publisher::Publishers;
 use super::Counters;
 use crate::metrics as m;
 use crate::routes::Router;
@@ -29,9 +30,14 @@ use crate::sink::breaker::Breakers;
 use crate::sink::DeadReason;
 use crate::store::{Fence, Session, ShardId, Store};
 use outbox_client::row::OutboxRow;
+use uuid::Uuid;
 
 /// How long a wake-up waits before claiming, to gather a burst of inserts.
 const WAKE_COALESCE: Duration = Duration::from_millis(1);
+
+/// How often a claimer whose last claim tenants' rooms cut short looks
+/// whether one of them has room again (in memory; no statement).
+const ROOM_CHECK: Duration = Duration::from_millis(10);
 
 #[derive(Debug)]
 pub(crate) enum ClaimerMsg {
@@ -93,6 +99,10 @@ pub(crate) struct ClaimerState {
     plan: ClaimPlan,
     claim_queued: bool,
     idle_generation: u64,
+    /// The listener said rows arrived since the last claim.
+    woken: bool,
+    /// When the last claim ran.
+    last_claim: Instant,
 }
 
 impl Actor for Claimer {
@@ -125,6 +135,8 @@ impl Actor for Claimer {
             cx: args.cx,
             claim_queued: true,
             idle_generation: 0,
+            woken: false,
+            last_claim: Instant::now(),
         })
     }
 
@@ -136,6 +148,7 @@ impl Actor for Claimer {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             ClaimerMsg::Wake => {
+                state.woken = true;
                 // Producers commit in bursts: wait a moment so one
                 // claim (and one request) carries the burst, not one row each.
                 if !state.claim_queued {
@@ -178,12 +191,26 @@ async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerSt
         claim_later(myself, state, until - now);
         return;
     }
+    // Held back by tenants' rooms (tenant fairness): wait for room, unless
+    // new rows arrived (another tenant's, maybe) or a poll is due anyway
+    // (rows that came due by time).
+    // A claim of about a batch once there is room for one: a claim costs
+    // about the same for a few rows as for a batch.
+    let room_rows = cx.settings.batch.min(cx.in_flight.tenant_most() / 4).max(1);
+    if !std::mem::take(&mut state.woken)
+        && state.last_claim.elapsed() < cx.settings.poll_interval
+        && state.plan.waits_for_room(&cx.in_flight, room_rows)
+    {
+        claim_later(myself, state, ROOM_CHECK);
+        return;
+    }
     let Some(mut permits) = cx.in_flight.permits(cx.settings.batch).await else {
         // Publishers are full: look again shortly (not a busy loop: we waited).
         queue_claim(myself, state);
         return;
     };
     let wanted = permits.count();
+    state.last_claim = Instant::now();
     // Measured before the statement: the database's lease ends no earlier.
     let expires = Instant::now() + cx.settings.lease;
     let rows = match state
@@ -219,7 +246,12 @@ async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerSt
     let got = rows.len();
     let mut leased = Vec::with_capacity(got);
     for claimed in rows {
-        let mut lease = permits.lease(claimed.held(state.fence), expires, &cx.in_flight);
+        let mut lease = permits.lease(
+            claimed.held(state.fence),
+            claimed.row.tenant_id,
+            expires,
+            &cx.in_flight,
+        );
         lease.held_before = claimed.held_before;
         leased.push((claimed.row, lease));
     }
@@ -229,6 +261,8 @@ async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerSt
     if got == wanted {
         // Full: there is probably more right now.
         queue_claim(myself, state);
+    } else if state.plan.waits_for_room(&cx.in_flight, room_rows) {
+        claim_later(myself, state, ROOM_CHECK);
     } else {
         claim_later(myself, state, cx.settings.poll_interval);
     }
@@ -237,12 +271,16 @@ async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerSt
 /// Groups rows by route and sends publisher-sized jobs; rows no route takes
 /// go straight to the marker as dead letters.
 fn dispatch(cx: &ClaimerContext, leased: Vec<(OutboxRow, Lease)>) {
-    let mut groups: HashMap<usize, (Vec<OutboxRow>, Vec<Lease>)> = HashMap::new();
+    // A job is rows of one route, and of one tenant when the tenants' jobs
+    // take turns.
+    let fair = cx.settings.tenants.is_some();
+    let mut groups: HashMap<(usize, Uuid), (Vec<OutboxRow>, Vec<Lease>)> = HashMap::new();
     let mut unrouted = Vec::new();
     for (row, lease) in leased {
         match cx.router.route(&row.event_type) {
             Some(route) => {
-                let g = groups.entry(route.index).or_default();
+                let tenant = if fair { row.tenant_id } else { Uuid::nil() };
+                let g = groups.entry((route.index, tenant)).or_default();
                 g.0.push(row);
                 g.1.push(lease);
             }
@@ -264,7 +302,7 @@ fn dispatch(cx: &ClaimerContext, leased: Vec<(OutboxRow, Lease)>) {
         cx.marker.send(unrouted);
     }
     let chunk = cx.settings.job_rows.max(1);
-    for (route, (rows, leases)) in groups {
+    for ((route, _), (rows, leases)) in groups {
         let mut rows = rows.into_iter();
         let mut leases = leases.into_iter();
         loop {
@@ -273,24 +311,11 @@ fn dispatch(cx: &ClaimerContext, leased: Vec<(OutboxRow, Lease)>) {
                 break;
             }
             let part_leases: Vec<Lease> = leases.by_ref().take(part_rows.len()).collect();
-            let Some(publisher) = cx.publishers.next() else {
-                // All publishers are restarting: the leases are dropped here,
-                // so the rows leave the in-flight set and the next claim reads
-                // them again.
-                tracing::warn!(
-                    rows = part_rows.len(),
-                    "no publisher available; rows not sent (the next claim reads them again)"
-                );
-                continue;
-            };
-            let job = PublisherMsg::Publish {
+            cx.publishers.send(Job {
                 route,
                 rows: part_rows,
                 leases: part_leases,
-            };
-            if let Err(e) = publisher.cast(job) {
-                tracing::warn!(error = %e, "publisher gone; rows not sent (the next claim reads them again)");
-            }
+            });
         }
     }
 }

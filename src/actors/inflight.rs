@@ -13,11 +13,16 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use uuid::Uuid;
 
 use crate::store::mark::Held;
 use crate::store::Fence;
 #[cfg(test)]
 use crate::store::ShardId;
+
+/// The part of `relay.max_in_flight` one tenant may fill when tenant
+/// fairness is on (numerator, denominator).
+pub(crate) const TENANT_ROOM: (usize, usize) = (4, 5);
 
 /// How long a claimer waits for a quarter batch of permits before taking
 /// whatever is free.
@@ -33,6 +38,10 @@ pub(crate) struct InFlight {
 #[derive(Debug, Default)]
 struct Table {
     rows: HashMap<i64, Held>,
+    /// Each row's tenant, and the rows out per tenant (tenant fairness
+    /// keeps room for the others: [`InFlight::room_of`]).
+    tenant_of: HashMap<i64, Uuid>,
+    per_tenant: HashMap<Uuid, usize>,
     /// The ids out per tenure, which a claim of that tenure leaves out.
     per_fence: HashMap<Fence, HashSet<i64>>,
     /// When each running claim started (a count per instant).
@@ -43,10 +52,14 @@ struct Table {
 }
 
 impl Table {
-    fn insert(&mut self, held: Held) {
+    fn insert(&mut self, held: Held, tenant: Uuid) {
         if let Some(old) = self.rows.insert(held.id, held) {
             self.forget(old);
         }
+        if let Some(old) = self.tenant_of.insert(held.id, tenant) {
+            self.forget_tenant(old);
+        }
+        *self.per_tenant.entry(tenant).or_default() += 1;
         self.per_fence
             .entry(held.fence)
             .or_default()
@@ -56,6 +69,18 @@ impl Table {
     fn remove(&mut self, id: i64) {
         if let Some(old) = self.rows.remove(&id) {
             self.forget(old);
+        }
+        if let Some(tenant) = self.tenant_of.remove(&id) {
+            self.forget_tenant(tenant);
+        }
+    }
+
+    fn forget_tenant(&mut self, tenant: Uuid) {
+        if let Some(n) = self.per_tenant.get_mut(&tenant) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_tenant.remove(&tenant);
+            }
         }
     }
 
@@ -144,6 +169,20 @@ impl InFlight {
         self.lock().rows.values().copied().collect()
     }
 
+    /// How many more rows of `tenant` may go out while tenant fairness is
+    /// on: one tenant may fill at most [`TENANT_ROOM`] of the room, so that
+    /// a row of another tenant that commits while one has a backlog finds
+    /// room at the next claim instead of waiting for rows to be marked.
+    pub(crate) fn room_of(&self, tenant: &Uuid) -> usize {
+        let out = self.lock().per_tenant.get(tenant).copied().unwrap_or(0);
+        self.tenant_most().saturating_sub(out)
+    }
+
+    /// The most rows one tenant may have out with tenant fairness on.
+    pub(crate) fn tenant_most(&self) -> usize {
+        (self.max * TENANT_ROOM.0 / TENANT_ROOM.1).max(1)
+    }
+
     /// How many rows are out under `fence` (one tenure of one shard).
     pub(crate) fn count_of(&self, fence: Fence) -> usize {
         self.lock().per_fence.get(&fence).map_or(0, HashSet::len)
@@ -209,11 +248,12 @@ impl Permits {
     pub(crate) fn lease(
         &mut self,
         held: Held,
+        tenant: Uuid,
         expires: Instant,
         in_flight: &Arc<InFlight>,
     ) -> Lease {
         let permit = self.0.split(1).expect("one permit per claimed row");
-        in_flight.lock().insert(held);
+        in_flight.lock().insert(held, tenant);
         Lease {
             held,
             expires,
@@ -326,8 +366,8 @@ mod tests {
         let mut permits = in_flight.permits(3).await.unwrap();
         assert_eq!(permits.count(), 3);
         let later = Instant::now() + Duration::from_secs(60);
-        let a = permits.lease(held(1, 0, 7), later, &in_flight);
-        let b = permits.lease(held(2, 1, 8), later, &in_flight);
+        let a = permits.lease(held(1, 0, 7), Uuid::nil(), later, &in_flight);
+        let b = permits.lease(held(2, 1, 8), Uuid::nil(), later, &in_flight);
         drop(permits);
         assert_eq!(in_flight.count(), 2, "unused permits go back");
         assert_eq!(in_flight.count_of(a.fence()), 1);
@@ -368,8 +408,8 @@ mod tests {
         let in_flight = InFlight::new(20);
         let mut permits = in_flight.permits(10).await.unwrap();
         let later = Instant::now() + Duration::from_secs(60);
-        let _a = permits.lease(held(1, 0, 7), later, &in_flight);
-        let _b = permits.lease(held(2, 0, 7), later, &in_flight);
+        let _a = permits.lease(held(1, 0, 7), Uuid::nil(), later, &in_flight);
+        let _b = permits.lease(held(2, 0, 7), Uuid::nil(), later, &in_flight);
         metrics::with_local_recorder(&recorder, || in_flight.set_gauge());
         let rendered = handle.render();
         let line = rendered
@@ -378,5 +418,28 @@ mod tests {
             .expect("the gauge is set");
         assert_eq!(line, format!("{} 2", crate::metrics::IN_FLIGHT));
         drop(permits);
+    }
+
+    /// A tenant may fill four fifths of the room; its rows leaving give
+    /// its room back, and another tenant's rows do not take it.
+    #[tokio::test]
+    async fn a_tenant_fills_at_most_its_part_of_the_room() {
+        let in_flight = InFlight::new(10);
+        let (a, b) = (Uuid::from_u128(1), Uuid::from_u128(2));
+        assert_eq!(in_flight.room_of(&a), 8);
+        let mut permits = in_flight.permits(10).await.unwrap();
+        let later = Instant::now() + Duration::from_secs(60);
+        let mut leases: Vec<Lease> = (1..=8)
+            .map(|id| permits.lease(held(id, 0, 7), a, later, &in_flight))
+            .collect();
+        let of_b = permits.lease(held(9, 0, 7), b, later, &in_flight);
+        assert_eq!((in_flight.room_of(&a), in_flight.room_of(&b)), (0, 7));
+        leases.truncate(5);
+        assert_eq!(in_flight.room_of(&a), 3);
+        // A newer claim of the same row counts it once.
+        let again = permits.lease(held(1, 0, 8), a, later, &in_flight);
+        assert_eq!(in_flight.room_of(&a), 3);
+        drop((leases, of_b, again));
+        assert_eq!((in_flight.room_of(&a), in_flight.room_of(&b)), (8, 8));
     }
 }

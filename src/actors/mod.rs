@@ -4,8 +4,9 @@
 //! Supervisor ─┬─ Listener        probes the id sequence on its own connection; wakes claimers
 //!             ├─ Coordinator     leases a fair share of the shards; starts and
 //!             │                  stops their claimers; hands shards over
-//!             ├─ Claimer × owned shards  claims a batch under a lease; hands rows out
-//!             ├─ Publisher × N    delivers through a sink; one outcome per row
+//!             ├─ Claimer × owned shards  claims a batch under a lease; queues it as jobs
+//!             ├─ Publisher × N    takes the next job (tenants in turn); delivers it
+//!             │                  through a sink; one outcome per row
 //!             └─ Marker           writes outcomes in multi-row, fenced UPDATEs
 //! ```
 //!
@@ -13,6 +14,8 @@
 //! store, its settings, and handles to the actors it talks to
 //! ([`marker::MarkerPort`], [`publisher::Publishers`], [`claimer::Claimers`]),
 //! which the supervisor keeps pointing at the live actors across restarts.
+//! The claimers' jobs wait in one queue ([`job_queue`]) that a free
+//! publisher takes from.
 //! Rows a crashed actor held are not tracked: their leases expire and they
 //! are claimed again.
 
@@ -21,6 +24,7 @@ pub(crate) mod claimer;
 pub(crate) mod coordinator;
 pub(crate) mod identity;
 pub(crate) mod inflight;
+pub(crate) mod job_queue;
 pub(crate) mod listener;
 pub(crate) mod marker;
 pub(crate) mod ownership;

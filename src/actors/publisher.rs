@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
+use super::claim_plan::TenantWeights;
 use super::inflight::Lease;
+use super::job_queue::{Job, JobQueue};
 use super::marker::{DeferCause, Mark, Marked, MarkerPort};
 use super::ownership::Ownership;
 use crate::metrics as m;
@@ -22,34 +24,52 @@ use outbox_client::row::OutboxRow;
 
 #[derive(Debug)]
 pub(crate) enum PublisherMsg {
-    Publish {
-        /// Index into the router's routes.
-        route: usize,
-        rows: Vec<OutboxRow>,
-        leases: Vec<Lease>,
-    },
+    /// A job is queued: take the next one ([`JobQueue`]), if another
+    /// publisher has not.
+    Next,
 }
 
-/// The pool of publishers, round robin; the supervisor puts each new
-/// publisher in its place.
+/// The pool of publishers and the queue of jobs they take from; the
+/// supervisor puts each new publisher in its place.
 #[derive(Clone)]
 pub(crate) struct Publishers(Arc<PublishersInner>);
 
 struct PublishersInner {
     slots: RwLock<Vec<Option<ActorRef<PublisherMsg>>>>,
     next: AtomicUsize,
+    jobs: Arc<JobQueue>,
 }
 
 impl Publishers {
-    pub(crate) fn new(n: usize) -> Publishers {
+    /// `n` publishers; `tenants`: the tenants' weights when their jobs
+    /// take turns (tenant fairness).
+    pub(crate) fn new(n: usize, tenants: Option<Arc<TenantWeights>>) -> Publishers {
         Publishers(Arc::new(PublishersInner {
             slots: RwLock::new(vec![None; n]),
             next: AtomicUsize::new(0),
+            jobs: Arc::new(JobQueue::new(tenants)),
         }))
     }
 
+    /// Queues `job` and tells a publisher, round robin; the first one free
+    /// takes it. With every publisher restarting, the job waits for the
+    /// first one to start.
+    pub(crate) fn send(&self, job: Job) {
+        self.0.jobs.push(job);
+        if let Some(publisher) = self.next() {
+            // A publisher gone meanwhile: the others take the job (each
+            // looks again after every job while some are queued).
+            let _ = publisher.cast(PublisherMsg::Next);
+        }
+    }
+
+    /// The queue the publishers take their jobs from.
+    pub(crate) fn jobs(&self) -> Arc<JobQueue> {
+        Arc::clone(&self.0.jobs)
+    }
+
     /// The next live publisher, round robin.
-    pub(crate) fn next(&self) -> Option<ActorRef<PublisherMsg>> {
+    fn next(&self) -> Option<ActorRef<PublisherMsg>> {
         let slots = self.0.slots.read().expect("publishers lock");
         let n = slots.len();
         let start = self.0.next.fetch_add(1, Ordering::Relaxed);
@@ -77,6 +97,8 @@ pub(crate) struct PublisherArgs {
     /// A row is sent only when its lease outlasts a whole request.
     pub request_timeout: Duration,
     pub marker: MarkerPort,
+    /// Where the claimers' jobs wait for a free publisher.
+    pub jobs: Arc<JobQueue>,
     /// Delivery spans, when `[telemetry]` exports them.
     pub telemetry: Telemetry,
     #[cfg(test)]
@@ -105,89 +127,113 @@ impl Actor for Publisher {
         })
     }
 
+    async fn post_start(
+        &self,
+        myself: ActorRef<PublisherMsg>,
+        _state: &mut PublisherState,
+    ) -> Result<(), ActorProcessingErr> {
+        // Jobs may be queued whose word went to a publisher that crashed.
+        myself.cast(PublisherMsg::Next)?;
+        Ok(())
+    }
+
     async fn handle(
         &self,
-        _myself: ActorRef<PublisherMsg>,
+        myself: ActorRef<PublisherMsg>,
         msg: PublisherMsg,
         state: &mut PublisherState,
     ) -> Result<(), ActorProcessingErr> {
-        let PublisherMsg::Publish {
-            route,
-            rows,
-            leases,
-        } = msg;
-        let args = Arc::clone(&state.args);
-        #[cfg(test)]
-        if let Some(panics_on) = &args.hooks.publisher_panics_on {
-            if let Some(row) = rows.iter().find(|r| panics_on(r)) {
-                panic!("injected publisher fault on row {}", row.id);
-            }
-        }
-        // A row that waited here past its lease may already be another claim's,
-        // and a row of a shard this replica no longer holds is the new owner's:
-        // publishing it now would only make a duplicate whose mark is refused
-        // (and, for an ordered key, could reach the destination after a later
-        // event). Drop it; its new claim (or the next) delivers it.
-        let (rows, leases) = drop_expired(&args, rows, leases);
-        if rows.is_empty() {
+        let PublisherMsg::Next = msg;
+        let Some(job) = state.args.jobs.pop() else {
             return Ok(());
-        }
-        let route = &args.router.routes()[route];
-        let (rows, leases) = settle_unanswered(&args, route, rows, leases);
-        // One instant for the limits and the breaker: the limits pass over a
-        // route the breaker holds, and only then.
-        let now = Instant::now();
-        let (mut rows, leases, tickets) = defer_limited(&args, route, rows, leases, now);
-        if rows.is_empty() {
-            return Ok(());
-        }
-        let spans = args.telemetry.start_deliveries(&route.name, &mut rows);
-        let breaker = args.sinks.breakers.route(route.index);
-        let sent = Instant::now();
-        let (outcomes, paused) = match breaker.admit(now) {
-            Admit::Send => {
-                let outcomes = args.sinks.deliver(route, &rows, tickets).await;
-                args.sinks
-                    .limits
-                    .record(route, &rows, &outcomes, sent.elapsed());
-                let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
-                let paused = breaker.record(&outcomes, &ids, sent, Instant::now());
-                (Some(outcomes), paused)
-            }
-            Admit::Paused { until, error } => (None, Some((until, error))),
         };
-        if let Some(spans) = spans {
-            spans.end(outcomes.as_deref());
+        publish(state, job).await;
+        if !state.args.jobs.is_empty() {
+            // Every queued job has had its word sent, but a publisher that
+            // crashed took its words with it: look again after each job.
+            myself.cast(PublisherMsg::Next)?;
         }
-        let mut outcomes = outcomes.map(Vec::into_iter);
-        let marked: Vec<Marked> = rows
-            .iter()
-            .zip(leases)
-            .map(|(row, lease)| {
-                let outcome = outcomes.as_mut().and_then(Iterator::next);
-                Marked {
-                    mark: decide(
-                        &args.retry[route.index],
-                        route.config.callback_hold(),
-                        row,
-                        &lease,
-                        outcome,
-                        &Judge {
-                            breaker,
-                            sent,
-                            paused: &paused,
-                        },
-                        &mut state.rng,
-                    ),
-                    route: Some(route.index),
-                    lease,
-                }
-            })
-            .collect();
-        log_unwitnessed(&route.name, &marked);
-        args.marker.send(marked);
         Ok(())
     }
+}
+
+/// Delivers one job and hands its outcomes to the marker.
+async fn publish(state: &mut PublisherState, job: Job) {
+    let Job {
+        route,
+        rows,
+        leases,
+    } = job;
+    let args = Arc::clone(&state.args);
+    #[cfg(test)]
+    if let Some(panics_on) = &args.hooks.publisher_panics_on {
+        if let Some(row) = rows.iter().find(|r| panics_on(r)) {
+            panic!("injected publisher fault on row {}", row.id);
+        }
+    }
+    // A row that waited here past its lease may already be another claim's,
+    // and a row of a shard this replica no longer holds is the new owner's:
+    // publishing it now would only make a duplicate whose mark is refused
+    // (and, for an ordered key, could reach the destination after a later
+    // event). Drop it; its new claim (or the next) delivers it.
+    let (rows, leases) = drop_expired(&args, rows, leases);
+    if rows.is_empty() {
+        return;
+    }
+    let route = &args.router.routes()[route];
+    let (rows, leases) = settle_unanswered(&args, route, rows, leases);
+    // One instant for the limits and the breaker: the limits pass over a
+    // route the breaker holds, and only then.
+    let now = Instant::now();
+    let (mut rows, leases, tickets) = defer_limited(&args, route, rows, leases, now);
+    if rows.is_empty() {
+        return;
+    }
+    let spans = args.telemetry.start_deliveries(&route.name, &mut rows);
+    let breaker = args.sinks.breakers.route(route.index);
+    let sent = Instant::now();
+    let (outcomes, paused) = match breaker.admit(now) {
+        Admit::Send => {
+            let outcomes = args.sinks.deliver(route, &rows, tickets).await;
+            args.sinks
+                .limits
+                .record(route, &rows, &outcomes, sent.elapsed());
+            let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+            let paused = breaker.record(&outcomes, &ids, sent, Instant::now());
+            (Some(outcomes), paused)
+        }
+        Admit::Paused { until, error } => (None, Some((until, error))),
+    };
+    if let Some(spans) = spans {
+        spans.end(outcomes.as_deref());
+    }
+    let mut outcomes = outcomes.map(Vec::into_iter);
+    let marked: Vec<Marked> = rows
+        .iter()
+        .zip(leases)
+        .map(|(row, lease)| {
+            let outcome = outcomes.as_mut().and_then(Iterator::next);
+            Marked {
+                mark: decide(
+                    &args.retry[route.index],
+                    route.config.callback_hold(),
+                    row,
+                    &lease,
+                    outcome,
+                    &Judge {
+                        breaker,
+                        sent,
+                        paused: &paused,
+                    },
+                    &mut state.rng,
+                ),
+                route: Some(route.index),
+                lease,
+            }
+        })
+        .collect();
+    log_unwitnessed(&route.name, &marked);
+    args.marker.send(marked);
 }
 
 /// Keeps the rows whose lease outlasts a whole request started now, so no row

@@ -19,8 +19,8 @@ mod tenants;
 
 use std::sync::Arc;
 
-use self::tenants::TenantPlan;
 pub(crate) use self::tenants::TenantWeights;
+use self::tenants::{TenantClaim, TenantPlan};
 use super::inflight::{ClaimGuard, InFlight};
 use crate::routes::{EventPattern, Router};
 use crate::store::outbox::{
@@ -141,6 +141,7 @@ impl ClaimPlan {
             session,
             guard: &guard,
             scope: &scope,
+            in_flight,
         };
         let heads = !routes.ordered.is_empty();
         // When both kinds run, each gets half of every claim, and what one
@@ -175,6 +176,15 @@ impl ClaimPlan {
         Ok(rows)
     }
 
+    /// Whether the last claim was cut short only by tenants' rooms in
+    /// flight (tenant fairness), none of which has room for `rows` more yet:
+    /// claiming again now would find nothing to take.
+    pub(crate) fn waits_for_room(&self, in_flight: &InFlight, rows: usize) -> bool {
+        self.tenants
+            .as_ref()
+            .is_some_and(|t| t.waits_for_room(in_flight, rows))
+    }
+
     /// Up to `limit` due rows of the unordered routes: shared between the
     /// tenants with rows pending when tenant fairness is on and there are
     /// several, else from the cursor on.
@@ -183,9 +193,15 @@ impl ClaimPlan {
         claim: &mut Claim<'_>,
         limit: i64,
     ) -> Result<Vec<Claimed>, StoreError> {
+        let mut limit = limit;
         if let Some(tenants) = &mut self.tenants {
-            if let Some(rows) = tenants.claim(claim, limit).await? {
-                return Ok(rows);
+            match tenants.claim(claim, limit).await? {
+                TenantClaim::Shared(rows) => return Ok(rows),
+                TenantClaim::Plain { room } => limit = limit.min(room),
+            }
+            if limit == 0 {
+                // The one tenant pending has filled its room.
+                return Ok(Vec::new());
             }
         }
         let read = claim
@@ -269,6 +285,7 @@ struct Claim<'a> {
     session: &'a mut Session,
     guard: &'a ClaimGuard,
     scope: &'a ClaimScope<'a>,
+    in_flight: &'a InFlight,
 }
 
 impl Claim<'_> {
@@ -421,7 +438,7 @@ mod tests {
         let later = Instant::now() + Duration::from_secs(60);
         let mut leases: Vec<_> = first
             .iter()
-            .map(|c| permits.lease(c.held(fence), later, &in_flight))
+            .map(|c| permits.lease(c.held(fence), c.row.tenant_id, later, &in_flight))
             .collect();
         drop(permits);
         assert!(claim(&mut plan).await.is_empty());

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use uuid::Uuid;
 
 use super::{next_cursor, Claim};
+use crate::actors::inflight::InFlight;
 use crate::store::outbox::{no_cursor, Claimed, Cursor};
 use crate::store::tenants::TenantShare;
 use crate::store::StoreError;
@@ -35,7 +36,7 @@ impl TenantWeights {
         TenantWeights(weights.into_iter().collect())
     }
 
-    fn of(&self, tenant: &Uuid) -> u32 {
+    pub(crate) fn of(&self, tenant: &Uuid) -> u32 {
         self.0.get(tenant).copied().unwrap_or(1).max(1)
     }
 }
@@ -71,6 +72,23 @@ pub(crate) fn shares(weights: &[u32], limit: i64) -> Vec<i64> {
     shares
 }
 
+/// What a claim's tenant step decided.
+pub(super) enum TenantClaim {
+    /// The rows, shared between the tenants pending.
+    Shared(Vec<Claimed>),
+    /// Run the plain claim, for at most `room` rows.
+    Plain { room: i64 },
+}
+
+/// Each share cut to its tenant's room.
+fn within(shares: Vec<i64>, rooms: &[i64]) -> Vec<i64> {
+    shares
+        .into_iter()
+        .zip(rooms)
+        .map(|(share, &room)| share.min(room.max(0)))
+        .collect()
+}
+
 /// Where one claimer's tenant walk is, and each tenant's cursor.
 pub(crate) struct TenantPlan {
     weights: Arc<TenantWeights>,
@@ -83,6 +101,10 @@ pub(crate) struct TenantPlan {
     /// the plain one and the tenants are listed only once claims fill up
     /// again (an idle or lightly loaded relay runs no statement more).
     busy: bool,
+    /// The tenants whose room cut the last claim short (they have more due
+    /// rows than they may take): the claimer waits for one of them to have
+    /// room rather than claim again for nothing.
+    held_back: Vec<Uuid>,
 }
 
 impl TenantPlan {
@@ -93,55 +115,97 @@ impl TenantPlan {
             cursors: HashMap::new(),
             // A claimer may start on a backlog.
             busy: true,
+            held_back: Vec::new(),
         }
     }
 
     /// The plain claim of `limit` rows took `taken`.
     pub(super) fn plain_took(&mut self, taken: usize, limit: i64) {
         self.busy = taken as i64 >= limit;
+        if !self.busy {
+            // It took every due row within the room: nothing was held back.
+            self.held_back.clear();
+        }
+    }
+
+    /// Whether the last claim was cut short by rooms in flight only, and
+    /// none of those tenants has room for `rows` more yet.
+    pub(super) fn waits_for_room(&self, in_flight: &InFlight, rows: usize) -> bool {
+        !self.held_back.is_empty() && self.held_back.iter().all(|t| in_flight.room_of(t) < rows)
     }
 
     /// Up to `limit` rows of the unordered routes shared between the
-    /// shard's tenants; `None` when the last claim was short or at most one
-    /// tenant has rows pending (the plain claim then takes them as it always
-    /// did).
+    /// shard's tenants, none beyond its room in flight
+    /// ([`InFlight::room_of`]); the plain claim instead when the last claim
+    /// was short or at most one tenant has rows pending (it then takes them
+    /// as it always did, within that tenant's room).
     pub(super) async fn claim(
         &mut self,
         claim: &mut Claim<'_>,
         limit: i64,
-    ) -> Result<Option<Vec<Claimed>>, StoreError> {
+    ) -> Result<TenantClaim, StoreError> {
+        let plain = TenantClaim::Plain { room: limit };
+        self.held_back.clear();
         if !self.busy {
-            return Ok(None);
+            return Ok(plain);
         }
         let tenants = claim
             .session
             .tenants_pending(claim.scope.fence, self.after, limit)
             .await?;
+        let room = |t: &Uuid| claim.in_flight.room_of(t) as i64;
         if tenants.len() <= 1 {
             self.cursors.clear();
-            return Ok(None);
+            let Some(alone) = tenants.first() else {
+                return Ok(plain);
+            };
+            let room = room(alone);
+            // Held back by its room, a tenant's backlog stays a backlog:
+            // the next claim lists the tenants again.
+            self.busy = room < limit;
+            if room < limit {
+                self.held_back.push(*alone);
+            }
+            return Ok(TenantClaim::Plain {
+                room: room.min(limit),
+            });
         }
         // Only the tenants of this walk keep a cursor.
         self.cursors.retain(|t, _| tenants.contains(t));
         let weights: Vec<u32> = tenants.iter().map(|t| self.weights.of(t)).collect();
-        let first = shares(&weights, limit);
+        let rooms: Vec<i64> = tenants.iter().map(room).collect();
+        let first = within(shares(&weights, limit), &rooms);
         self.after = next_walk_start(&tenants, &first, limit);
         let mut rows = self.take(claim, &tenants, &first).await?;
-        // What some left, for those that took their whole share.
-        let room = limit - rows.len() as i64;
-        let wanting: Vec<(Uuid, u32)> = tenants
+        // What some left, for those that took their whole share and have
+        // room for more.
+        let left = limit - rows.len() as i64;
+        let wanting: Vec<(Uuid, u32, i64)> = tenants
             .iter()
             .zip(&first)
-            .filter(|(t, &share)| share > 0 && taken_by(&rows, t) as i64 >= share)
-            .map(|(t, _)| (*t, self.weights.of(t)))
+            .zip(&rooms)
+            .filter(|((t, &share), _)| share > 0 && taken_by(&rows, t) as i64 >= share)
+            .map(|((t, &share), &room)| (*t, self.weights.of(t), room - share))
+            .filter(|(_, _, room)| *room > 0)
             .collect();
-        if room > 0 && !wanting.is_empty() {
-            let (more, weights): (Vec<Uuid>, Vec<u32>) = wanting.into_iter().unzip();
-            let second = shares(&weights, room);
+        let capped = rooms.iter().any(|&r| r < limit);
+        if left > 0 && !wanting.is_empty() {
+            let more: Vec<Uuid> = wanting.iter().map(|w| w.0).collect();
+            let weights: Vec<u32> = wanting.iter().map(|w| w.1).collect();
+            let rooms: Vec<i64> = wanting.iter().map(|w| w.2).collect();
+            let second = within(shares(&weights, left), &rooms);
             rows.extend(self.take(claim, &more, &second).await?);
         }
-        self.busy = rows.len() as i64 >= limit;
-        Ok(Some(rows))
+        self.busy = capped || rows.len() as i64 >= limit;
+        if (rows.len() as i64) < limit {
+            self.held_back = tenants
+                .iter()
+                .zip(&rooms)
+                .filter(|(_, &room)| room < limit)
+                .map(|(t, _)| *t)
+                .collect();
+        }
+        Ok(TenantClaim::Shared(rows))
     }
 
     /// Each tenant's share of the shard's due rows, from its cursor on.
@@ -279,6 +343,60 @@ mod tests {
         assert_eq!(per, HashMap::from([(1, 6), (2, 2), (3, 2)]));
     }
 
+    /// One claim of up to 10 rows (as many as permits are free), leased: the rows' tenants and leases.
+    async fn claim_leased(
+        plan: &mut ClaimPlan,
+        session: &mut crate::store::Session,
+        in_flight: &Arc<InFlight>,
+        fence: crate::store::Fence,
+    ) -> (Vec<u128>, Vec<crate::actors::inflight::Lease>) {
+        let later = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let mut permits = in_flight.permits(10).await.unwrap();
+        let limit = permits.count() as i64;
+        let rows = plan.claim(session, in_flight, fence, limit).await.unwrap();
+        let leased = rows
+            .iter()
+            .map(|c| permits.lease(c.held(fence), c.row.tenant_id, later, in_flight))
+            .collect();
+        let tenants = rows.iter().map(|c| c.row.tenant_id.as_u128()).collect();
+        (tenants, leased)
+    }
+
+    /// A tenant whose rows fill its room (four fifths of the in-flight
+    /// room) gets no more; the other tenants' shares are claimed, and so is
+    /// a lone tenant's within what is left of its room.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_tenant_that_filled_its_room_gets_no_more_and_the_others_theirs() {
+        let db = TestDb::new().await.unwrap();
+        let client = db.client().await.unwrap();
+        rows_of(&client, 1, 100).await;
+        let (store, fence) = db.one_shard().await;
+        let mut plan = plan_of(Some(TenantWeights::default()));
+        let mut session = store.session();
+        // Room for 20 rows in flight: 16 of one tenant.
+        let in_flight = InFlight::new(20);
+        let mut leases = Vec::new();
+        // Alone, the tenant gets full claims, then what is left of its room.
+        for want in [10, 6, 0] {
+            let (tenants, leased) = claim_leased(&mut plan, &mut session, &in_flight, fence).await;
+            assert_eq!(tenants.len(), want, "{tenants:?}");
+            leases.extend(leased);
+        }
+        rows_of(&client, 2, 5).await;
+        let (tenants, leased) = claim_leased(&mut plan, &mut session, &in_flight, fence).await;
+        assert_eq!(
+            tenants, [2; 4],
+            "only the other tenant has room (4 permits are free)"
+        );
+        leases.extend(leased);
+        // Three of the first tenant's rows are marked: three permits free,
+        // shared: two for the first tenant, one for the other's last row.
+        leases.drain(..3);
+        let (tenants, _) = claim_leased(&mut plan, &mut session, &in_flight, fence).await;
+        let first = tenants.iter().filter(|&&t| t == 1).count();
+        assert_eq!((first, tenants.len() - first), (2, 1), "{tenants:?}");
+    }
+
     /// With one tenant pending, fairness changes nothing: the plain claim's
     /// rows, in its order.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -318,7 +436,7 @@ mod tests {
             let mut permits = in_flight.permits(10).await.unwrap();
             for c in &rows {
                 assert!(seen.insert(c.row.id), "row {} taken twice", c.row.id);
-                leases.push(permits.lease(c.held(fence), later, &in_flight));
+                leases.push(permits.lease(c.held(fence), c.row.tenant_id, later, &in_flight));
             }
         }
     }

@@ -16,7 +16,7 @@
 //!
 //! ```sh
 //! cargo build --release -p outbox-relay -p loadtest
-//! OUTBOX_RELAY_BIN=target/release/outbox-relay TEST_DATABASE_URL=postgres://… \
+//! LOADTEST_RELAY_BIN=target/release/outbox-relay TEST_DATABASE_URL=postgres://… \
 //!   cargo test --release -p loadtest --test adversarial long_form -- --ignored --nocapture
 //! ```
 //!

@@ -10,7 +10,7 @@
 //! no key may see a later event before an earlier one. The two runs take the
 //! same lock, so they do not share the machine's cores.
 //!
-//! The relay: `OUTBOX_RELAY_BIN` if set; else `target/<profile>/outbox-relay`
+//! The relay: `LOADTEST_RELAY_BIN` if set; else `target/<profile>/outbox-relay`
 //! next to this test (`cargo test --workspace` builds it before running any
 //! test, since the root package's integration tests need it) when no engine
 //! source file is newer than it; else the same engine embedded in

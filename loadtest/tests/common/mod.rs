@@ -7,12 +7,14 @@ use std::time::Duration;
 
 use outbox_testkit::relay::{compiled_sources, locate_relay, RelayProgram};
 
-/// The relay under test: `OUTBOX_RELAY_BIN` if set; else
+/// The relay under test: `LOADTEST_RELAY_BIN` if set (not an
+/// `OUTBOX_RELAY_` name: the relay reads every such variable as a
+/// configuration key, and refuses an unknown one); else
 /// `target/<profile>/outbox-relay` next to the test when no engine source
 /// file is newer than it; else the engine embedded in this package's
 /// `loadtest` binary, which cargo always builds for this package's tests.
 pub fn relay() -> RelayProgram {
-    if let Some(bin) = std::env::var_os("OUTBOX_RELAY_BIN") {
+    if let Some(bin) = std::env::var_os("LOADTEST_RELAY_BIN") {
         return RelayProgram::binary(PathBuf::from(bin));
     }
     let found = locate_relay(

@@ -7,7 +7,7 @@
 //!  actors::Supervisor ─┬─ Listener   (own connection, probes the id sequence) ── wakes claimers
 //!                      ├─ Coordinator       (shard leases: a fair share among replicas)
 //!                      ├─ Claimer × owned shards  (read due rows of its shard, under the shard lease; queue them as jobs)
-//!                      ├─ Publisher × N     (take the next job, tenants in turn; sink::* over one hyper client)
+//!                      ├─ Publisher × N     (take a job, tenants in turn if fair; sink::* over one hyper client)
 //!                      └─ Marker            (multi-row UPDATEs, fenced by lease and shard token)
 //!
 //!  publisher ── telemetry (a span per delivery, child of the producer's traceparent; OTLP, off by default)

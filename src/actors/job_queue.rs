@@ -1,8 +1,8 @@
-//! The publishers' queue: jobs the claimers handed out and no publisher has
-//! taken yet. A free publisher takes the next job (so a slow job holds up
-//! only its own publisher). Without tenant fairness it is one queue, first
-//! in, first out. With it, each tenant has a queue of its own and the
-//! tenants take turns, each taking its weight's number of jobs per turn: the
+//! The publishers' queue with tenant fairness (without it, each job goes to
+//! one publisher's mailbox): jobs the claimers handed out and no publisher
+//! has taken yet; a free publisher takes the next. Each tenant has a queue of
+//! its own and the tenants take turns, each taking its weight's number of
+//! jobs per turn (with no weights, one queue, first in, first out): the
 //! claim shares a claim between tenants, and this shares what is queued
 //! behind it, so the rows claimed for a quiet tenant go out with the next
 //! free publisher instead of behind every row already claimed for a

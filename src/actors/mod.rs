@@ -5,7 +5,7 @@
 //!             ├─ Coordinator     leases a fair share of the shards; starts and
 //!             │                  stops their claimers; hands shards over
 //!             ├─ Claimer × owned shards  claims a batch under a lease; queues it as jobs
-//!             ├─ Publisher × N    takes the next job (tenants in turn); delivers it
+//!             ├─ Publisher × N    takes a job (tenants in turn, if fair); delivers it
 //!             │                  through a sink; one outcome per row
 //!             └─ Marker           writes outcomes in multi-row, fenced UPDATEs
 //! ```
@@ -14,8 +14,8 @@
 //! store, its settings, and handles to the actors it talks to
 //! ([`marker::MarkerPort`], [`publisher::Publishers`], [`claimer::Claimers`]),
 //! which the supervisor keeps pointing at the live actors across restarts.
-//! The claimers' jobs wait in one queue ([`job_queue`]) that a free
-//! publisher takes from.
+//! With tenant fairness the claimers' jobs wait in one queue
+//! ([`job_queue`]) that a free publisher takes from, the tenants in turn.
 //! Rows a crashed actor held are not tracked: their leases expire and they
 //! are claimed again.
 

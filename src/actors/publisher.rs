@@ -1,6 +1,8 @@
 //! Publisher: one of a pool sharing the HTTP client. Delivers a job (rows of
 //! one route) through its sink and sends one outcome per row to the marker:
-//! published, retry after a jittered backoff, or dead.
+//! published, retry after a jittered backoff, or dead. A job comes in its
+//! mailbox, or with tenant fairness from the claimers' queue
+//! ([`JobQueue`]), where the tenants' jobs take turns.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
@@ -24,20 +26,25 @@ use outbox_client::row::OutboxRow;
 
 #[derive(Debug)]
 pub(crate) enum PublisherMsg {
-    /// A job is queued: take the next one ([`JobQueue`]), if another
-    /// publisher has not.
+    /// Deliver this job (without tenant fairness: each job goes to one
+    /// publisher's mailbox, round robin).
+    Publish(Job),
+    /// A job is queued (tenant fairness): take the next one ([`JobQueue`]),
+    /// if another publisher has not.
     Next,
 }
 
-/// The pool of publishers and the queue of jobs they take from; the
-/// supervisor puts each new publisher in its place.
+/// The pool of publishers, round robin, and with tenant fairness the queue
+/// of jobs they take from; the supervisor puts each new publisher in its
+/// place.
 #[derive(Clone)]
 pub(crate) struct Publishers(Arc<PublishersInner>);
 
 struct PublishersInner {
     slots: RwLock<Vec<Option<ActorRef<PublisherMsg>>>>,
     next: AtomicUsize,
-    jobs: Arc<JobQueue>,
+    /// With tenant fairness: the tenants' jobs, taking turns.
+    jobs: Option<Arc<JobQueue>>,
 }
 
 impl Publishers {
@@ -47,25 +54,45 @@ impl Publishers {
         Publishers(Arc::new(PublishersInner {
             slots: RwLock::new(vec![None; n]),
             next: AtomicUsize::new(0),
-            jobs: Arc::new(JobQueue::new(tenants)),
+            jobs: tenants.map(|t| Arc::new(JobQueue::new(Some(t)))),
         }))
     }
 
-    /// Queues `job` and tells a publisher, round robin; the first one free
-    /// takes it. With every publisher restarting, the job waits for the
-    /// first one to start.
+    /// Hands `job` out. Without fairness, to the next publisher's mailbox
+    /// (with every publisher restarting, or the one picked gone, its leases
+    /// are dropped here, so the rows leave the in-flight set and the next
+    /// claim reads them again). With fairness, queued behind its tenant's
+    /// other jobs, a publisher told, round robin; the first one free takes
+    /// the next job in the tenants' turn (a publisher gone meanwhile: the
+    /// others take it, each looking again after every job while some are
+    /// queued, and a restarted one as it starts).
     pub(crate) fn send(&self, job: Job) {
-        self.0.jobs.push(job);
-        if let Some(publisher) = self.next() {
-            // A publisher gone meanwhile: the others take the job (each
-            // looks again after every job while some are queued).
-            let _ = publisher.cast(PublisherMsg::Next);
+        let publisher = self.next();
+        match &self.0.jobs {
+            Some(jobs) => {
+                jobs.push(job);
+                if let Some(publisher) = publisher {
+                    let _ = publisher.cast(PublisherMsg::Next);
+                }
+            }
+            None => {
+                let Some(publisher) = publisher else {
+                    tracing::warn!(
+                        rows = job.rows.len(),
+                        "no publisher available; rows not sent (the next claim reads them again)"
+                    );
+                    return;
+                };
+                if let Err(e) = publisher.cast(PublisherMsg::Publish(job)) {
+                    tracing::warn!(error = %e, "publisher gone; rows not sent (the next claim reads them again)");
+                }
+            }
         }
     }
 
-    /// The queue the publishers take their jobs from.
-    pub(crate) fn jobs(&self) -> Arc<JobQueue> {
-        Arc::clone(&self.0.jobs)
+    /// The queue the publishers take their jobs from, with tenant fairness.
+    pub(crate) fn jobs(&self) -> Option<Arc<JobQueue>> {
+        self.0.jobs.clone()
     }
 
     /// The next live publisher, round robin.
@@ -97,8 +124,9 @@ pub(crate) struct PublisherArgs {
     /// A row is sent only when its lease outlasts a whole request.
     pub request_timeout: Duration,
     pub marker: MarkerPort,
-    /// Where the claimers' jobs wait for a free publisher.
-    pub jobs: Arc<JobQueue>,
+    /// With tenant fairness, where the claimers' jobs wait for a free
+    /// publisher.
+    pub jobs: Option<Arc<JobQueue>>,
     /// Delivery spans, when `[telemetry]` exports them.
     pub telemetry: Telemetry,
     #[cfg(test)]
@@ -130,10 +158,12 @@ impl Actor for Publisher {
     async fn post_start(
         &self,
         myself: ActorRef<PublisherMsg>,
-        _state: &mut PublisherState,
+        state: &mut PublisherState,
     ) -> Result<(), ActorProcessingErr> {
-        // Jobs may be queued whose word went to a publisher that crashed.
-        myself.cast(PublisherMsg::Next)?;
+        if state.args.jobs.is_some() {
+            // Jobs may be queued whose word went to a publisher that crashed.
+            myself.cast(PublisherMsg::Next)?;
+        }
         Ok(())
     }
 
@@ -143,12 +173,17 @@ impl Actor for Publisher {
         msg: PublisherMsg,
         state: &mut PublisherState,
     ) -> Result<(), ActorProcessingErr> {
-        let PublisherMsg::Next = msg;
-        let Some(job) = state.args.jobs.pop() else {
-            return Ok(());
+        let job = match msg {
+            PublisherMsg::Publish(job) => job,
+            PublisherMsg::Next => {
+                let Some(job) = state.args.jobs.as_ref().and_then(|q| q.pop()) else {
+                    return Ok(());
+                };
+                job
+            }
         };
         publish(state, job).await;
-        if !state.args.jobs.is_empty() {
+        if state.args.jobs.as_ref().is_some_and(|q| !q.is_empty()) {
             // Every queued job has had its word sent, but a publisher that
             // crashed took its words with it: look again after each job.
             myself.cast(PublisherMsg::Next)?;

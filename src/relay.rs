@@ -158,7 +158,12 @@ impl Relay {
             limits: crate::sink::limits::Limits::new(router.routes(), &config.http.hosts),
         });
         let counters = Arc::new(Counters::default());
-        let in_flight = InFlight::new(r.max_in_flight as usize);
+        // Rows are counted per tenant only where the rooms use them.
+        let in_flight = if tenants.is_some() {
+            InFlight::per_tenant(r.max_in_flight as usize)
+        } else {
+            InFlight::new(r.max_in_flight as usize)
+        };
         let ownership = Arc::new(Ownership::default());
         let replica = Replica::this_process(&r.replica_id);
         // One live process per name: refused while another one's heartbeat

@@ -32,6 +32,8 @@ const PERMIT_WAIT: Duration = Duration::from_millis(100);
 pub(crate) struct InFlight {
     permits: Arc<Semaphore>,
     max: usize,
+    /// Whether rows are counted per tenant (tenant fairness: [`InFlight::room_of`]).
+    per_tenant: bool,
     table: Mutex<Table>,
 }
 
@@ -52,14 +54,16 @@ struct Table {
 }
 
 impl Table {
-    fn insert(&mut self, held: Held, tenant: Uuid) {
+    fn insert(&mut self, held: Held, tenant: Option<Uuid>) {
         if let Some(old) = self.rows.insert(held.id, held) {
             self.forget(old);
         }
-        if let Some(old) = self.tenant_of.insert(held.id, tenant) {
-            self.forget_tenant(old);
+        if let Some(tenant) = tenant {
+            if let Some(old) = self.tenant_of.insert(held.id, tenant) {
+                self.forget_tenant(old);
+            }
+            *self.per_tenant.entry(tenant).or_default() += 1;
         }
-        *self.per_tenant.entry(tenant).or_default() += 1;
         self.per_fence
             .entry(held.fence)
             .or_default()
@@ -109,9 +113,19 @@ impl Table {
 
 impl InFlight {
     pub(crate) fn new(max: usize) -> Arc<InFlight> {
+        Self::build(max, false)
+    }
+
+    /// Counting each tenant's rows out, for tenant fairness's rooms.
+    pub(crate) fn per_tenant(max: usize) -> Arc<InFlight> {
+        Self::build(max, true)
+    }
+
+    fn build(max: usize, per_tenant: bool) -> Arc<InFlight> {
         Arc::new(InFlight {
             permits: Arc::new(Semaphore::new(max)),
             max,
+            per_tenant,
             table: Mutex::new(Table::default()),
         })
     }
@@ -173,6 +187,8 @@ impl InFlight {
     /// on: one tenant may fill at most [`TENANT_ROOM`] of the room, so that
     /// a row of another tenant that commits while one has a backlog finds
     /// room at the next claim instead of waiting for rows to be marked.
+    /// (Made with [`InFlight::new`], rows are not counted per tenant and
+    /// every tenant has that whole part.)
     pub(crate) fn room_of(&self, tenant: &Uuid) -> usize {
         let out = self.lock().per_tenant.get(tenant).copied().unwrap_or(0);
         self.tenant_most().saturating_sub(out)
@@ -253,6 +269,7 @@ impl Permits {
         in_flight: &Arc<InFlight>,
     ) -> Lease {
         let permit = self.0.split(1).expect("one permit per claimed row");
+        let tenant = in_flight.per_tenant.then_some(tenant);
         in_flight.lock().insert(held, tenant);
         Lease {
             held,
@@ -424,7 +441,7 @@ mod tests {
     /// its room back, and another tenant's rows do not take it.
     #[tokio::test]
     async fn a_tenant_fills_at_most_its_part_of_the_room() {
-        let in_flight = InFlight::new(10);
+        let in_flight = InFlight::per_tenant(10);
         let (a, b) = (Uuid::from_u128(1), Uuid::from_u128(2));
         assert_eq!(in_flight.room_of(&a), 8);
         let mut permits = in_flight.permits(10).await.unwrap();

@@ -1,8 +1,8 @@
 //! The publishers' queue with tenant fairness (without it, each job goes to
 //! one publisher's mailbox): jobs the claimers handed out and no publisher
 //! has taken yet; a free publisher takes the next. Each tenant has a queue of
-//! its own and the tenants take turns, each taking its weight's number of
-//! jobs per turn (with no weights, one queue, first in, first out): the
+//! its own (first in, first out) and the tenants take turns, each taking its
+//! weight's number of jobs per turn: the
 //! claim shares a claim between tenants, and this shares what is queued
 //! behind it, so the rows claimed for a quiet tenant go out with the next
 //! free publisher instead of behind every row already claimed for a
@@ -27,8 +27,7 @@ pub(crate) struct Job {
 }
 
 pub(crate) struct JobQueue {
-    /// The tenants' weights when tenant fairness is on; `None`: one queue.
-    weights: Option<Arc<TenantWeights>>,
+    weights: Arc<TenantWeights>,
     queues: Mutex<Turns>,
 }
 
@@ -43,20 +42,16 @@ struct Turns {
 }
 
 impl JobQueue {
-    pub(crate) fn new(weights: Option<Arc<TenantWeights>>) -> JobQueue {
+    pub(crate) fn new(weights: Arc<TenantWeights>) -> JobQueue {
         JobQueue {
             weights,
             queues: Mutex::default(),
         }
     }
 
-    /// Queues `job` behind its tenant's others (all of one tenant: without
-    /// fairness, behind every other).
+    /// Queues `job` (rows of one tenant) behind its tenant's others.
     pub(crate) fn push(&self, job: Job) {
-        let tenant = match (&self.weights, job.rows.first()) {
-            (Some(_), Some(row)) => row.tenant_id,
-            _ => Uuid::nil(),
-        };
+        let tenant = job.rows.first().map_or(Uuid::nil(), |r| r.tenant_id);
         let mut q = self.lock();
         let queue = q.by_tenant.entry(tenant).or_default();
         if queue.is_empty() {
@@ -95,7 +90,7 @@ impl JobQueue {
     }
 
     fn weight(&self, tenant: &Uuid) -> u32 {
-        self.weights.as_ref().map_or(1, |w| w.of(tenant))
+        self.weights.of(tenant)
     }
 
     pub(crate) fn is_empty(&self) -> bool {
@@ -145,14 +140,14 @@ mod tests {
 
     fn fair(weights: &[(u128, u32)]) -> JobQueue {
         let weights = weights.iter().map(|&(t, w)| (Uuid::from_u128(t), w));
-        JobQueue::new(Some(Arc::new(TenantWeights::new(weights))))
+        JobQueue::new(Arc::new(TenantWeights::new(weights)))
     }
 
     #[test]
-    fn without_fairness_jobs_go_first_in_first_out() {
-        let q = JobQueue::new(None);
-        for (tenant, id) in [(1, 1), (1, 2), (2, 3), (1, 4)] {
-            q.push(job(tenant, id));
+    fn one_tenants_jobs_go_first_in_first_out() {
+        let q = fair(&[]);
+        for id in 1..=4 {
+            q.push(job(1, id));
         }
         assert_eq!(q.len(), 4);
         assert_eq!(drain(&q), [1, 2, 3, 4]);

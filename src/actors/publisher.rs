@@ -54,7 +54,7 @@ impl Publishers {
         Publishers(Arc::new(PublishersInner {
             slots: RwLock::new(vec![None; n]),
             next: AtomicUsize::new(0),
-            jobs: tenants.map(|t| Arc::new(JobQueue::new(Some(t)))),
+            jobs: tenants.map(|t| Arc::new(JobQueue::new(t))),
         }))
     }
 

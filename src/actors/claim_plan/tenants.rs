@@ -374,7 +374,7 @@ mod tests {
         let mut plan = plan_of(Some(TenantWeights::default()));
         let mut session = store.session();
         // Room for 20 rows in flight: 16 of one tenant.
-        let in_flight = InFlight::new(20);
+        let in_flight = InFlight::per_tenant(20);
         let mut leases = Vec::new();
         // Alone, the tenant gets full claims, then what is left of its room.
         for want in [10, 6, 0] {

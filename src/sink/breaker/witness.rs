@@ -21,20 +21,30 @@
 //! acceptance in an answer that failed the row (a batch answer that takes
 //! some messages and refuses others), or an error in the row's own slot of a
 //! readable batch answer, witnesses its later verdicts of that kind: the
-//! sink judged the messages one by one at that moment.
+//! sink judged the messages one by one at that moment. Such a judgment is
+//! kept through answers of other kinds between (a poison event's batch
+//! rejections with a 500 or an unreadable answer between them are still
+//! judged), and witnesses nothing of another kind (a blip's 404 later).
 //!
 //! One case has no witness to wait for: an event failing alone, while the
 //! route sends nothing else (the last event of a burst, the head of the only
 //! key of an ordered route, a poison event left over when the others failing
-//! with it were dead-lettered). It is carried out once it has kept failing so
-//! for the breaker's longest pause while nothing else on the route failed or
-//! was accepted for as long. Rows waiting for a witness come back at most
-//! half that pause apart, so events failing together show within it. Two
-//! events failing together are a route failing: they wait for a witness
-//! however long it takes. A lone event is so carried out within one and a
-//! half longest pauses (three quarters of a lease) of its first failure: a
-//! route whose last pending row is a poison event stalls for less than a
-//! lease.
+//! with it were dead-lettered). It is carried out when nothing else on the
+//! route failed or was accepted for the breaker's longest pause, and it has
+//! kept failing for as long: failing the same way all that time, or with a
+//! final verdict already deferred that long ago. (The second form is what
+//! carries out a poison event whose answers vary: a destination that
+//! rejects it, with now and then a 500 or an unreadable answer between the
+//! rejections, restarts the same-way clock at every change. It never
+//! dead-letters a row on a blip's first refusals: the row must already have
+//! reached its final verdict, which its blip-free failures decided, a
+//! longest pause before.) Rows waiting for a witness come back at most half
+//! that pause apart, so events failing together show within it. Two events
+//! failing together are a route failing: they wait for a witness however
+//! long it takes. A lone event is so carried out within one and a half
+//! longest pauses (three quarters of a lease) of its first deferred verdict
+//! or of the others' last failure, whichever is later: a route whose last
+//! pending row is a poison event stalls for less than a lease.
 //!
 //! The memory of failing events is per route, in this process, and bounded:
 //! an event it forgot (or never saw fail, as after a restart) counts as
@@ -74,9 +84,21 @@ struct Seen {
     /// The kind of its latest failure, and since when it fails so.
     kind: Kind,
     since: Instant,
-    /// When an answer that failed it so accepted another message of the
-    /// same request (the first such answer).
-    beside: Option<Instant>,
+    /// When an answer that failed it some way accepted another message of
+    /// the same request, or judged it alone (the first such answer of that
+    /// kind; a judgment of another kind since replaces it, an answer of
+    /// another kind without one does not).
+    beside: Option<(Kind, Instant)>,
+    /// When its final verdict was first deferred (whatever the kind).
+    deferred: Option<Instant>,
+}
+
+impl Seen {
+    /// An answer before `sent` judged the event the way it fails now.
+    fn judged_before(&self, sent: Instant) -> bool {
+        self.beside
+            .is_some_and(|(kind, at)| kind == self.kind && at <= sent)
+    }
 }
 
 /// One route's witnesses: its recent acceptances, since when each failing
@@ -124,10 +146,9 @@ impl Witnesses {
         if seen.kind != kind {
             seen.kind = kind;
             seen.since = now;
-            seen.beside = None;
         }
-        if beside && seen.beside.is_none() {
-            seen.beside = Some(now);
+        if beside && seen.beside.is_none_or(|(k, _)| k != kind) {
+            seen.beside = Some((kind, now));
         }
         match self.latest {
             Some((last, _)) if last == id => {}
@@ -147,17 +168,17 @@ impl Witnesses {
         longest: Duration,
     ) -> Verdict {
         let seen = *self.seen(id, now);
-        let witnessed =
-            seen.beside.is_some_and(|at| at <= sent) || self.accepted_between(seen.since, sent);
-        // Alone: failing so for the longest pause, and nothing else failed
-        // or was accepted on the route for as long (events failing together
-        // come back within half a longest pause of each other, the most a
-        // deferral waits; the failures of events dead-lettered or delivered
-        // since age out).
-        let recently = now
-            .checked_sub(longest)
-            .map_or(seen.since, |t| t.max(seen.since));
-        let alone = self.alone_since(id, recently) && now >= seen.since + longest;
+        let witnessed = seen.judged_before(sent) || self.accepted_between(seen.since, sent);
+        // Alone: nothing else failed or was accepted on the route for the
+        // longest pause (events failing together come back within half a
+        // longest pause of each other, the most a deferral waits; the
+        // failures of events dead-lettered or delivered since age out), and
+        // this one kept failing as long: the same way, or since its final
+        // verdict was first deferred.
+        let failing_long =
+            now >= seen.since + longest || seen.deferred.is_some_and(|at| now >= at + longest);
+        let alone =
+            failing_long && self.alone_since(id, now.checked_sub(longest).unwrap_or(seen.first));
         if witnessed || alone {
             self.failing.remove(&id);
             return Verdict::Carry;
@@ -167,6 +188,7 @@ impl Witnesses {
             .min((longest / 2).max(PAUSE_MIN));
         if let Some(seen) = self.failing.get_mut(&id) {
             seen.deferrals = seen.deferrals.saturating_add(1);
+            seen.deferred.get_or_insert(now);
         }
         Verdict::Defer { delay }
     }
@@ -194,7 +216,8 @@ impl Witnesses {
             .copied()
             .filter(|id| {
                 self.failing.get(id).is_some_and(|seen| {
-                    seen.beside.is_none() && self.last_sent().is_none_or(|sent| sent < seen.first)
+                    seen.beside.is_none_or(|(kind, _)| kind != seen.kind)
+                        && self.last_sent().is_none_or(|sent| sent < seen.first)
                 })
             })
             .collect()
@@ -219,6 +242,7 @@ impl Witnesses {
             kind: 0,
             since: now,
             beside: None,
+            deferred: None,
         })
     }
 
@@ -422,6 +446,92 @@ mod tests {
             w.verdict(1, at, at, LONGEST) == Verdict::Carry
         });
         assert_eq!(carried_at, Some(2), "once event 2's failure is a pause old");
+    }
+
+    /// Row 6385 of a short-form adversarial run: the last poison event of
+    /// its route, the other two dead-lettered at 0 s; its deferred verdicts
+    /// came back rejected, 500, rejected, 409, rejected, each change of kind
+    /// restarting its same-way clock: carried out only 20.8 s later, longer
+    /// than the 20 s lease.
+    #[test]
+    fn a_lone_event_whose_answers_vary_is_carried_out_within_a_pause_and_a_half() {
+        let mut w = Witnesses::default();
+        let t0 = Instant::now();
+        const POISON: Kind = 1;
+        w.failed(2, t0, POISON, false);
+        w.failed(1, ms(t0, 500), POISON, false);
+        assert_ne!(
+            w.verdict(1, ms(t0, 490), ms(t0, 500), LONGEST),
+            Verdict::Carry
+        );
+        // Every other answer something else: a 500, a 409, an unreadable one.
+        let carried_at = (1..=8).find_map(|n| {
+            let at = ms(t0, 500 + 2500 * n);
+            let kind = if n % 2 == 0 { POISON } else { 10 + n };
+            w.failed(1, at, kind, false);
+            (w.verdict(1, at, at, LONGEST) == Verdict::Carry).then_some(at - t0)
+        });
+        assert_eq!(
+            carried_at,
+            Some(Duration::from_millis(5500)),
+            "a longest pause after event 2's last failure and the first deferral"
+        );
+    }
+
+    /// The end of a short-form adversarial run: four poison events left on
+    /// an idle route, each batch answer judging them one by one, with a 500
+    /// or an unreadable answer now and then between; each of those reset
+    /// the judgment, so a route with nothing else pending stalled 17.5 s.
+    #[test]
+    fn a_judgment_outlives_answers_of_another_kind_between() {
+        let mut w = Witnesses::default();
+        let t0 = Instant::now();
+        const ELEMENT: Kind = 1;
+        const SERVER_ERROR: Kind = 2;
+        const NOT_FOUND: Kind = 3;
+        for id in [1, 2] {
+            w.failed(id, t0, ELEMENT, true);
+        }
+        for id in [1, 2] {
+            w.failed(id, ms(t0, 1000), SERVER_ERROR, false);
+        }
+        for id in [1, 2] {
+            w.failed(id, ms(t0, 2000), ELEMENT, true);
+            assert_eq!(
+                w.verdict(id, ms(t0, 1990), ms(t0, 2000), LONGEST),
+                Verdict::Carry
+            );
+        }
+        // A judgment witnesses nothing of another kind: a blip's 404.
+        w.failed(3, ms(t0, 3000), ELEMENT, true);
+        w.failed(4, ms(t0, 3000), ELEMENT, true);
+        w.failed(3, ms(t0, 4000), NOT_FOUND, false);
+        assert_ne!(
+            w.verdict(3, ms(t0, 3990), ms(t0, 4000), LONGEST),
+            Verdict::Carry
+        );
+        assert_eq!(w.unexplained(&[3, 4]), [3]);
+    }
+
+    /// The case the same-way clock is for: a lone event retried for long
+    /// (timeouts, no final verdict) meets a deploy blip's 404s. The blip
+    /// decides nothing: the row had no deferred verdict before it.
+    #[test]
+    fn a_lone_event_retried_for_long_is_not_dead_lettered_by_a_blip() {
+        let mut w = Witnesses::default();
+        let t0 = Instant::now();
+        const TIMEOUT: Kind = 1;
+        const NOT_FOUND: Kind = 2;
+        for s in 0..6 {
+            w.failed(1, t0 + Duration::from_secs(3 * s), TIMEOUT, false);
+        }
+        for at in [ms(t0, 16_000), ms(t0, 17_000), ms(t0, 18_500)] {
+            w.failed(1, at, NOT_FOUND, false);
+            assert_ne!(w.verdict(1, at, at, LONGEST), Verdict::Carry, "{at:?}");
+        }
+        // The blip is over: delivered, and forgotten.
+        w.accepted(1, ms(t0, 19_000), ms(t0, 19_010));
+        assert_eq!(w.remembered(), 0);
     }
 
     #[test]

@@ -103,18 +103,11 @@ fn init_tracing(format: LogFormat) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
-        .with_ansi(colour_on_stderr());
+        .with_ansi(outbox_relay::cli::colour_on_stderr());
     match format {
         LogFormat::Human => builder.init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),
     }
-}
-
-/// Colour only for a person at a terminal: not in a file or a pipe (a log
-/// collector), and not when `NO_COLOR` is set (<https://no-color.org>).
-fn colour_on_stderr() -> bool {
-    use std::io::IsTerminal;
-    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }
 
 fn main() -> ExitCode {

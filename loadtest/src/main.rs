@@ -302,6 +302,7 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default)),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(outbox_relay::cli::colour_on_stderr())
         .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

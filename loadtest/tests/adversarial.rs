@@ -23,7 +23,9 @@
 //! or `target/release/loadtest run config/loadtest/adversarial.toml` (see
 //! `loadtest/reports/adversarial/COMMANDS.md`).
 //!
-//! The relay is chosen as in the chaos tests (`common::relay`).
+//! The relay is chosen as in the chaos tests (`common::relay`). A failure
+//! prints the last lines of each relay's log; with `LOADTEST_KEEP_OUT=1` the
+//! whole run directory (logs, `report.json`) is kept and its path printed.
 
 mod common;
 

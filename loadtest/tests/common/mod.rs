@@ -49,13 +49,19 @@ pub struct TestRun {
 }
 
 /// Runs `scenario` against [`relay`] and [`server_url`], panicking when it
-/// takes longer than `limit`.
+/// takes longer than `limit`. With `LOADTEST_KEEP_OUT` set, the output
+/// directory (every relay's whole log, the report) is kept and named on
+/// stderr, to read after a failure.
 pub async fn run_in_test(
     scenario: &loadtest::scenario::Scenario,
     limit: Duration,
     log_lines: usize,
 ) -> TestRun {
-    let dir = tempfile::tempdir().unwrap();
+    let mut dir = tempfile::tempdir().unwrap();
+    if std::env::var_os("LOADTEST_KEEP_OUT").is_some() {
+        dir.disable_cleanup(true);
+        eprintln!("output kept in {}", dir.path().display());
+    }
     let mut opts = loadtest::runner::RunOptions::new(dir.path().join("out"));
     opts.relay = relay();
     opts.progress = false;
@@ -72,6 +78,16 @@ pub async fn run_in_test(
         report.table(),
         log_tails(&opts.out_dir, scenario.replicas, log_lines)
     );
+    // A log written to a file carries no colour escapes, from the binary or
+    // the engine embedded in `loadtest` alike.
+    for i in 0..scenario.replicas {
+        let name = loadtest::runner::replica_file_name("relay", "log", i, scenario.replicas);
+        let log = std::fs::read_to_string(opts.out_dir.join(&name)).unwrap_or_default();
+        assert!(
+            !log.contains('\u{1b}'),
+            "{name} has ANSI escapes: {context}"
+        );
+    }
     TestRun {
         report,
         out_dir: opts.out_dir,

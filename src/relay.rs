@@ -240,6 +240,7 @@ impl Relay {
                 // The probe is cheaper than any claim.
                 probe_timeout: timeouts.claims().unwrap_or(Duration::from_secs(5)),
                 wake,
+                unanswered: store.unanswered(),
             },
             coordinator: CoordinatorArgs {
                 store: limited(timeouts.coordinator()),

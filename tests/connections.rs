@@ -194,6 +194,47 @@ async fn delivery_resumes_within_a_shard_lease_when_the_connections_stop_answeri
     );
 }
 
+/// Every connection stops answering at once, as when a network drops
+/// packets: the first session to find out waits its deadline; the others,
+/// and the connection idle in the pool, are given up without waiting
+/// theirs, so the next statement of every other session is answered, on a
+/// fresh connection. (Before, each actor found out on its own, one deadline
+/// after another: the wake-up probe, then the claims it woke, then the marks
+/// of what they claimed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn once_one_connection_goes_unanswered_the_other_sessions_take_fresh_ones() {
+    let db = common::test_db().await;
+    let proxy = Proxy::in_front_of(&db.url).await.unwrap();
+    let store = Store::open(proxy.url(), 6, Duration::from_secs(5))
+        .unwrap()
+        .with_session_limit(Duration::from_secs(1));
+    let mut sessions: Vec<_> = (0..3).map(|_| store.session()).collect();
+    for s in &mut sessions {
+        s.layout().await.unwrap();
+    }
+    // A fourth connection, left idle in the pool.
+    drop(store.conn().await.unwrap());
+    let blackholed = proxy.blackhole_open();
+    assert_eq!(blackholed, 4);
+
+    let first = sessions[0].layout().await;
+    assert!(
+        matches!(first, Err(outbox_relay::store::StoreError::Unanswered(_))),
+        "{first:?}"
+    );
+    for (i, s) in sessions.iter_mut().enumerate().skip(1) {
+        let answered = s.layout().await;
+        assert!(answered.is_ok(), "session {i}: {answered:?}");
+    }
+    sessions[0].failed();
+    sessions[0].layout().await.unwrap();
+    assert_eq!(
+        proxy.opened(),
+        blackholed + 3,
+        "one fresh connection per session"
+    );
+}
+
 /// A loopback address nothing listens on yet.
 fn free_addr() -> std::net::SocketAddr {
     std::net::TcpListener::bind("127.0.0.1:0")

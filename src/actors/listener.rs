@@ -27,7 +27,7 @@ use tokio::time::Instant;
 
 use super::Wake;
 use crate::store::probe::{Probe, Reading};
-use crate::store::{reconnect_delay, Liveness, StoreError};
+use crate::store::{reconnect_delay, Liveness, StoreError, Unanswered};
 
 /// Probe interval while rows are arriving; the shortest `relay.idle_probe_max`.
 pub(crate) const PROBE_BUSY: Duration = Duration::from_millis(1);
@@ -48,6 +48,9 @@ pub(crate) struct ListenerArgs {
     pub probe_timeout: Duration,
     /// Wakes the claimers.
     pub wake: Wake,
+    /// Where an unanswered probe is noted: the actors' sessions then take
+    /// fresh connections too (the same network lost theirs, most likely).
+    pub unanswered: Unanswered,
 }
 
 pub(crate) struct Listener;
@@ -177,7 +180,10 @@ async fn listen_once(args: &ListenerArgs, failures: &mut u32) -> Result<(), Stor
     loop {
         let reading = tokio::time::timeout(args.probe_timeout, probe.read())
             .await
-            .map_err(|_| StoreError::Unanswered(args.probe_timeout))??;
+            .map_err(|_| {
+                args.unanswered.note();
+                StoreError::Unanswered(args.probe_timeout)
+            })??;
         let (wake, next) = schedule.observe(reading, Instant::now());
         if wake {
             (args.wake)();

@@ -3,7 +3,7 @@
 //! the connection string asks for it ([`super::dsn`], [`super::tls`]).
 
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bb8_postgres::PostgresConnectionManager;
 use tokio_postgres_rustls::MakeRustlsConnect;
@@ -268,5 +268,44 @@ impl bb8::ErrorSink<tokio_postgres::Error> for ConnectErrors {
 
     fn boxed_clone(&self) -> Box<dyn bb8::ErrorSink<tokio_postgres::Error>> {
         Box::new(self.clone())
+    }
+}
+
+/// When a connection of a store last went unanswered past its deadline. A
+/// network that drops packets silently (a dead NAT entry, a partition, a
+/// proxy that hangs) takes every connection of the moment with it, and
+/// each actor would otherwise find out on its own, one deadline after the
+/// other (the wake-up probe, then the claims it wakes, then the marks of what
+/// they claimed): a session whose connection is older than the latest
+/// unanswered statement takes a fresh one before its next statement, and
+/// a connection taken from the pool soon after is tried with a short
+/// deadline first.
+#[derive(Debug, Clone, Default)]
+pub struct Unanswered(Arc<Mutex<Option<Instant>>>);
+
+/// How long after an unanswered statement the connections the pool hands
+/// out are tried first, and how long that try may take.
+pub(crate) const SUSPECT_FOR: Duration = Duration::from_secs(30);
+pub(crate) const TRY_WITHIN: Duration = Duration::from_secs(1);
+
+impl Unanswered {
+    /// A statement went unanswered now.
+    pub fn note(&self) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+    }
+
+    /// Some statement went unanswered after `t`.
+    pub(crate) fn after(&self, t: Instant) -> bool {
+        self.last().is_some_and(|at| at > t)
+    }
+
+    /// One went unanswered within [`SUSPECT_FOR`] of `now`.
+    pub(crate) fn recently(&self, now: Instant) -> bool {
+        self.last()
+            .is_some_and(|at| now.saturating_duration_since(at) < SUSPECT_FOR)
+    }
+
+    fn last(&self) -> Option<Instant> {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 }

@@ -93,6 +93,7 @@ use tokio_postgres::Statement;
 
 pub use conn::{
     connect, parse_url, parse_with_tls, pool, pool_with, Liveness, Pool, PoolOptions, PooledConn,
+    Unanswered,
 };
 
 /// The one error of the store.
@@ -256,6 +257,8 @@ pub struct Store {
     session_limit: Option<Duration>,
     /// Why the pool last failed to connect (for its time-outs).
     connect_errors: conn::ConnectErrors,
+    /// When one of its connections last went unanswered.
+    unanswered: conn::Unanswered,
 }
 
 impl Store {
@@ -271,6 +274,7 @@ impl Store {
             pool,
             session_limit: None,
             connect_errors,
+            unanswered: Default::default(),
         })
     }
 
@@ -280,6 +284,7 @@ impl Store {
             pool,
             session_limit: None,
             connect_errors: Default::default(),
+            unanswered: Default::default(),
         }
     }
 
@@ -292,6 +297,7 @@ impl Store {
             pool: self.pool.clone(),
             session_limit: Some(statement_timeout),
             connect_errors: self.connect_errors.clone(),
+            unanswered: self.unanswered.clone(),
         }
     }
 
@@ -327,10 +333,18 @@ impl Store {
         Session {
             pool: self.pool.clone(),
             connect_errors: self.connect_errors.clone(),
+            unanswered: self.unanswered.clone(),
             conn: None,
             failures: 0,
             limit: self.session_limit,
         }
+    }
+
+    /// Where this store's sessions note a connection that went unanswered,
+    /// for a connection of its own that watches the same server (the
+    /// wake-up probe).
+    pub fn unanswered(&self) -> conn::Unanswered {
+        self.unanswered.clone()
     }
 }
 
@@ -342,6 +356,8 @@ pub(crate) struct Sql {
 
 struct Prepared {
     conn: PooledConn,
+    /// When the session took it from the pool.
+    taken: std::time::Instant,
     /// By the address of the statement's text (each is a `&'static str`).
     statements: HashMap<usize, Statement>,
 }
@@ -353,6 +369,7 @@ struct Prepared {
 pub struct Session {
     pool: Pool,
     connect_errors: conn::ConnectErrors,
+    unanswered: conn::Unanswered,
     conn: Option<Prepared>,
     failures: u32,
     /// The statement timeout of this session's role, if it has one.
@@ -386,31 +403,64 @@ impl Session {
     }
 
     /// Takes a connection when the session has none, with the session's
-    /// statement timeout set on it.
+    /// statement timeout set on it. A connection the session took before
+    /// another went unanswered is given up first: the network that lost that
+    /// one most likely lost it too ([`conn::Unanswered`]).
     async fn connect(&mut self) -> Result<(), StoreError> {
-        if self.conn.is_some() {
-            return Ok(());
+        if let Some(p) = &mut self.conn {
+            if !self.unanswered.after(p.taken) {
+                return Ok(());
+            }
+            tracing::debug!("a connection of the pool went unanswered since this one was taken: taking a fresh one");
+            conn::close(&mut p.conn);
+            self.conn = None;
         }
-        let mut conn = self
-            .pool
-            .get_owned()
-            .await
-            .map_err(|e| self.connect_errors.explain(e))?;
-        if let Some(limit) = self.limit {
-            let set = conn::set_statement_timeout(limit);
-            match tokio::time::timeout(deadline(limit), conn.batch_execute(&set)).await {
-                Ok(done) => done?,
-                Err(_) => {
-                    conn::close(&mut conn);
-                    return Err(StoreError::Unanswered(deadline(limit)));
+        // Right after an unanswered statement the pool's idle connections
+        // are suspect too: each is tried first within a short deadline, and
+        // one that does not answer is closed and the next one taken.
+        let suspect = self.unanswered.recently(std::time::Instant::now());
+        let mut tries = if suspect {
+            self.pool.state().connections + 1
+        } else {
+            1
+        };
+        loop {
+            let taken = std::time::Instant::now();
+            let mut conn = self
+                .pool
+                .get_owned()
+                .await
+                .map_err(|e| self.connect_errors.explain(e))?;
+            let first = match (self.limit, suspect) {
+                (Some(limit), false) => Some((conn::set_statement_timeout(limit), deadline(limit))),
+                (Some(limit), true) => Some((
+                    conn::set_statement_timeout(limit),
+                    deadline(limit).min(conn::TRY_WITHIN),
+                )),
+                (None, true) => Some((String::new(), conn::TRY_WITHIN)),
+                (None, false) => None,
+            };
+            if let Some((sql, within)) = first {
+                match tokio::time::timeout(within, conn.batch_execute(&sql)).await {
+                    Ok(done) => done?,
+                    Err(_) => {
+                        conn::close(&mut conn);
+                        self.unanswered.note();
+                        tries -= 1;
+                        if tries == 0 {
+                            return Err(StoreError::Unanswered(within));
+                        }
+                        continue;
+                    }
                 }
             }
+            self.conn = Some(Prepared {
+                conn,
+                taken,
+                statements: HashMap::new(),
+            });
+            return Ok(());
         }
-        self.conn = Some(Prepared {
-            conn,
-            statements: HashMap::new(),
-        });
-        Ok(())
     }
 
     /// How long a statement of this session may go unanswered before its
@@ -433,6 +483,7 @@ impl Session {
                 if let Some(mut p) = self.conn.take() {
                     conn::close(&mut p.conn);
                 }
+                self.unanswered.note();
                 Err(StoreError::Unanswered(limit))
             }
         }

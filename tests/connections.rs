@@ -235,6 +235,41 @@ async fn once_one_connection_goes_unanswered_the_other_sessions_take_fresh_ones(
     );
 }
 
+/// After the first unanswered connection, the pool's idle connections are
+/// tried before use; one found dead so was lost with the others already
+/// noted, and must not make the sessions that took fresh connections since
+/// give those up again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_idle_connection_found_later_leaves_fresh_ones_alone() {
+    let db = common::test_db().await;
+    let proxy = Proxy::in_front_of(&db.url).await.unwrap();
+    let store = Store::open(proxy.url(), 6, Duration::from_secs(5))
+        .unwrap()
+        .with_session_limit(Duration::from_secs(1));
+    let mut sessions: Vec<_> = (0..3).map(|_| store.session()).collect();
+    for s in &mut sessions {
+        s.layout().await.unwrap();
+    }
+    // Two more, held outside the pool through the blackhole.
+    let held = (store.conn().await.unwrap(), store.conn().await.unwrap());
+    assert_eq!(proxy.blackhole_open(), 5);
+    assert!(sessions[0].layout().await.is_err());
+    sessions[0].failed();
+    // Session 1 takes a fresh connection while no dead one is idle.
+    sessions[1].layout().await.unwrap();
+    drop(held);
+    // Session 2 finds the two dead ones idle, gives them up, takes a fresh one.
+    sessions[2].layout().await.unwrap();
+    let opened = proxy.opened();
+    sessions[1].layout().await.unwrap();
+    sessions[0].layout().await.unwrap();
+    assert_eq!(
+        proxy.opened(),
+        opened + 1,
+        "only session 0 connects again: session 1 keeps its fresh connection"
+    );
+}
+
 /// A loopback address nothing listens on yet.
 fn free_addr() -> std::net::SocketAddr {
     std::net::TcpListener::bind("127.0.0.1:0")

@@ -284,7 +284,8 @@ impl bb8::ErrorSink<tokio_postgres::Error> for ConnectErrors {
 pub struct Unanswered(Arc<Mutex<Option<Instant>>>);
 
 /// How long after an unanswered statement the connections the pool hands
-/// out are tried first, and how long that try may take.
+/// out are tried first, and how long that try may take at most (a quarter
+/// of the session's deadline when it has one).
 pub(crate) const SUSPECT_FOR: Duration = Duration::from_secs(30);
 pub(crate) const TRY_WITHIN: Duration = Duration::from_secs(1);
 

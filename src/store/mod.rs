@@ -433,9 +433,12 @@ impl Session {
                 .map_err(|e| self.connect_errors.explain(e))?;
             let first = match (self.limit, suspect) {
                 (Some(limit), false) => Some((conn::set_statement_timeout(limit), deadline(limit))),
+                // Within a quarter of the deadline, which also bounds
+                // this (the statement's, connecting included): a few dead
+                // ones in a row still leave it time.
                 (Some(limit), true) => Some((
                     conn::set_statement_timeout(limit),
-                    deadline(limit).min(conn::TRY_WITHIN),
+                    (deadline(limit) / 4).min(conn::TRY_WITHIN),
                 )),
                 (None, true) => Some((String::new(), conn::TRY_WITHIN)),
                 (None, false) => None,
@@ -445,7 +448,13 @@ impl Session {
                     Ok(done) => done?,
                     Err(_) => {
                         conn::close(&mut conn);
-                        self.unanswered.note();
+                        // A suspect one that does not answer was lost with
+                        // the others already noted: noting it again would
+                        // only make the sessions that took fresh ones since
+                        // give those up too.
+                        if !suspect {
+                            self.unanswered.note();
+                        }
                         tries -= 1;
                         if tries == 0 {
                             return Err(StoreError::Unanswered(within));

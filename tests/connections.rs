@@ -204,14 +204,7 @@ async fn delivery_resumes_within_a_shard_lease_when_the_connections_stop_answeri
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn once_one_connection_goes_unanswered_the_other_sessions_take_fresh_ones() {
     let db = common::test_db().await;
-    let proxy = Proxy::in_front_of(&db.url).await.unwrap();
-    let store = Store::open(proxy.url(), 6, Duration::from_secs(5))
-        .unwrap()
-        .with_session_limit(Duration::from_secs(1));
-    let mut sessions: Vec<_> = (0..3).map(|_| store.session()).collect();
-    for s in &mut sessions {
-        s.layout().await.unwrap();
-    }
+    let (proxy, store, mut sessions) = three_sessions_through_a_proxy(&db).await;
     // A fourth connection, left idle in the pool.
     drop(store.conn().await.unwrap());
     let blackholed = proxy.blackhole_open();
@@ -242,14 +235,7 @@ async fn once_one_connection_goes_unanswered_the_other_sessions_take_fresh_ones(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_idle_connection_found_later_leaves_fresh_ones_alone() {
     let db = common::test_db().await;
-    let proxy = Proxy::in_front_of(&db.url).await.unwrap();
-    let store = Store::open(proxy.url(), 6, Duration::from_secs(5))
-        .unwrap()
-        .with_session_limit(Duration::from_secs(1));
-    let mut sessions: Vec<_> = (0..3).map(|_| store.session()).collect();
-    for s in &mut sessions {
-        s.layout().await.unwrap();
-    }
+    let (proxy, store, mut sessions) = three_sessions_through_a_proxy(&db).await;
     // Two more, held outside the pool through the blackhole.
     let held = (store.conn().await.unwrap(), store.conn().await.unwrap());
     assert_eq!(proxy.blackhole_open(), 5);
@@ -268,6 +254,22 @@ async fn a_dead_idle_connection_found_later_leaves_fresh_ones_alone() {
         opened + 1,
         "only session 0 connects again: session 1 keeps its fresh connection"
     );
+}
+
+/// A store reaching `db` through a proxy, with a 1 s statement timeout, and
+/// three sessions that have each taken a connection.
+async fn three_sessions_through_a_proxy(
+    db: &outbox_testkit::TestDb,
+) -> (Proxy, Store, Vec<outbox_relay::store::Session>) {
+    let proxy = Proxy::in_front_of(&db.url).await.unwrap();
+    let store = Store::open(proxy.url(), 6, Duration::from_secs(5))
+        .unwrap()
+        .with_session_limit(Duration::from_secs(1));
+    let mut sessions: Vec<_> = (0..3).map(|_| store.session()).collect();
+    for s in &mut sessions {
+        s.layout().await.unwrap();
+    }
+    (proxy, store, sessions)
 }
 
 /// A loopback address nothing listens on yet.

@@ -431,19 +431,21 @@ impl Session {
                 .get_owned()
                 .await
                 .map_err(|e| self.connect_errors.explain(e))?;
-            let first = match (self.limit, suspect) {
-                (Some(limit), false) => Some((conn::set_statement_timeout(limit), deadline(limit))),
-                // Within a quarter of the deadline, which also bounds
-                // this (the statement's, connecting included): a few dead
-                // ones in a row still leave it time.
-                (Some(limit), true) => Some((
-                    conn::set_statement_timeout(limit),
-                    (deadline(limit) / 4).min(conn::TRY_WITHIN),
-                )),
-                (None, true) => Some((String::new(), conn::TRY_WITHIN)),
-                (None, false) => None,
+            // The session's statement timeout is set on it (within the
+            // deadline); a suspect one is tried even without (an empty
+            // statement), within a quarter of the deadline, which also
+            // bounds this (the statement's, connecting included): a few dead
+            // ones in a row still leave it time.
+            let sql = self
+                .limit
+                .map(conn::set_statement_timeout)
+                .unwrap_or_default();
+            let within = match (self.limit.map(deadline), suspect) {
+                (Some(d), true) => Some((d / 4).min(conn::TRY_WITHIN)),
+                (None, true) => Some(conn::TRY_WITHIN),
+                (d, false) => d,
             };
-            if let Some((sql, within)) = first {
+            if let Some(within) = within {
                 match tokio::time::timeout(within, conn.batch_execute(&sql)).await {
                     Ok(done) => done?,
                     Err(_) => {

@@ -94,10 +94,10 @@ struct Seen {
 }
 
 impl Seen {
-    /// An answer before `sent` judged the event the way it fails now.
-    fn judged_before(&self, sent: Instant) -> bool {
+    /// When an answer first judged the event the way it fails now.
+    fn judged(&self) -> Option<Instant> {
         self.beside
-            .is_some_and(|(kind, at)| kind == self.kind && at <= sent)
+            .and_then(|(kind, at)| (kind == self.kind).then_some(at))
     }
 }
 
@@ -168,7 +168,8 @@ impl Witnesses {
         longest: Duration,
     ) -> Verdict {
         let seen = *self.seen(id, now);
-        let witnessed = seen.judged_before(sent) || self.accepted_between(seen.since, sent);
+        let witnessed =
+            seen.judged().is_some_and(|at| at <= sent) || self.accepted_between(seen.since, sent);
         // Alone: nothing else failed or was accepted on the route for the
         // longest pause (events failing together come back within half a
         // longest pause of each other, the most a deferral waits; the
@@ -216,8 +217,7 @@ impl Witnesses {
             .copied()
             .filter(|id| {
                 self.failing.get(id).is_some_and(|seen| {
-                    seen.beside.is_none_or(|(kind, _)| kind != seen.kind)
-                        && self.last_sent().is_none_or(|sent| sent < seen.first)
+                    seen.judged().is_none() && self.last_sent().is_none_or(|sent| sent < seen.first)
                 })
             })
             .collect()

@@ -6,7 +6,10 @@
 //! dead-letter the backlog. While a route is paused its rows are put back
 //! (deferred) without counting an attempt; when the pause ends one request
 //! probes the sink, and its answer closes the breaker or pauses the route
-//! again, for twice as long. A final verdict (a 4xx, the last attempt
+//! again, for twice as long: at once when the sink refuses it (credentials, a
+//! rate limit, no connection), after [`PROBE_TRIES`] probes in a row when they
+//! fail as any request may (a 5xx, a timeout, an unreadable answer), each
+//! tried [`probe_gap`] after the last. A final verdict (a 4xx, the last attempt
 //! failing) is carried out only once the route accepted another message
 //! since the event first failed ([`witness`]).
 
@@ -38,6 +41,16 @@ pub const FAILING_EVENTS: usize = 2;
 /// sink that comes back is probed again well within a lease.
 pub(crate) const PAUSE_MIN: Duration = Duration::from_secs(1);
 pub(crate) const PAUSE_MAX: Duration = Duration::from_secs(60);
+
+/// Probes in a row that fail as any request may (not a refusal of the
+/// sink's) before the pause doubles: one stray failure of the first request
+/// after an outage must not pause a route that is back for twice as long.
+pub(crate) const PROBE_TRIES: u32 = 3;
+
+/// How soon after a probe that failed so the next one goes.
+pub(crate) fn probe_gap(pause: Duration) -> Duration {
+    (pause / 10).clamp(Duration::from_millis(100), Duration::from_secs(1))
+}
 
 /// The longest pause for a relay whose row lease is `lease`.
 pub(crate) fn longest_pause(lease: Duration) -> Duration {
@@ -162,12 +175,15 @@ enum State {
         until: Instant,
         pause: Duration,
         error: String,
+        /// Probes of this pause that failed so far ([`PROBE_TRIES`]).
+        misses: u32,
     },
     /// The pause ended and one delivery is probing the sink.
     Probing {
         since: Instant,
         pause: Duration,
         error: String,
+        misses: u32,
     },
 }
 
@@ -279,11 +295,13 @@ impl Breaker {
                 until,
                 pause,
                 error,
+                misses,
             } if now >= *until => {
                 *state = State::Probing {
                     since: now,
                     pause: *pause,
                     error: error.clone(),
+                    misses: *misses,
                 };
                 Admit::Send
             }
@@ -291,17 +309,10 @@ impl Breaker {
                 until: *until,
                 error: error.clone(),
             },
-            State::Probing {
-                since,
-                pause,
-                error,
-            } if now >= *since + self.probe_timeout => {
-                let (pause, error) = (*pause, error.clone());
-                *state = State::Probing {
-                    since: now,
-                    pause,
-                    error,
-                };
+            State::Probing { since, .. } if now >= *since + self.probe_timeout => {
+                if let State::Probing { since, .. } = &mut *state {
+                    *since = now;
+                }
                 Admit::Send
             }
             State::Probing { pause, error, .. } => Admit::Paused {
@@ -323,6 +334,10 @@ impl Breaker {
         let last_pause = match &*state {
             State::Open { pause, .. } | State::Probing { pause, .. } => Some(*pause),
             State::Closed { .. } => None,
+        };
+        let probe_misses = match &*state {
+            State::Probing { misses, .. } => Some(*misses),
+            _ => None,
         };
         let (cause, error, after) = match health {
             Health::Unknown => {
@@ -349,6 +364,25 @@ impl Breaker {
                     }
                     if *failures < FAILING_REQUESTS || events.len() < FAILING_EVENTS {
                         return None;
+                    }
+                }
+                if let (Some(misses), Some(pause)) = (probe_misses, last_pause) {
+                    if misses + 1 < PROBE_TRIES {
+                        // Paused still, under the pause's own error; the
+                        // next probe goes soon.
+                        let until = now + probe_gap(pause);
+                        let State::Probing { error: paused, .. } = &*state else {
+                            unreachable!("probing")
+                        };
+                        let paused = paused.clone();
+                        tracing::debug!(route = %self.route, %error, retry_in = ?(until - now), "probe failed; trying again");
+                        *state = State::Open {
+                            until,
+                            pause,
+                            error: paused.clone(),
+                            misses: misses + 1,
+                        };
+                        return Some((until, paused));
                     }
                 }
                 (FAILING_CAUSE, error, None)
@@ -384,6 +418,7 @@ impl Breaker {
             until,
             pause,
             error: error.clone(),
+            misses: 0,
         };
         Some((until, error))
     }

@@ -260,15 +260,80 @@ fn pauses_probes_and_backs_off() {
     // The pause ends: one probe goes, the others wait for it.
     assert_eq!(b.admit(until), Admit::Send);
     assert!(matches!(b.admit(until), Admit::Paused { .. }));
-    // The probe fails: paused twice as long.
-    let (again, _) = b.record_health(fail(), &ids[..1], until).unwrap();
-    assert_eq!(again, until + PAUSE_MIN * 2);
+    // Every probe fails: paused twice as long.
+    let mut now = until;
+    for _ in 1..PROBE_TRIES {
+        now = b.record_health(fail(), &ids[..1], now).unwrap().0;
+        assert_eq!(b.admit(now), Admit::Send);
+    }
+    let (again, _) = b.record_health(fail(), &ids[..1], now).unwrap();
+    assert_eq!(again, now + PAUSE_MIN * 2);
     // A probe that never reports is given up after the probe timeout.
     assert_eq!(b.admit(again), Admit::Send);
     assert!(matches!(b.admit(again), Admit::Paused { .. }));
     assert_eq!(b.admit(again + Duration::from_secs(2)), Admit::Send);
     assert_eq!(b.record_health(Health::Up, &ids, again), None);
     assert_eq!(b.admit(again), Admit::Send);
+}
+
+/// A probe is one request, and any request can meet a stray 5xx, a timeout
+/// or an unreadable answer: one such answer to the first request after a
+/// deploy blip must not keep the route paused for twice as long. A probe
+/// failing so is tried again shortly; only [`PROBE_TRIES`] of them failing in
+/// a row, or a refusal of the sink's (credentials, a rate limit, no
+/// connection), double the pause.
+#[test]
+fn a_probe_meeting_a_stray_failure_is_tried_again_soon() {
+    let b = Breaker::new("r", Duration::from_secs(1), Duration::from_secs(10));
+    let t0 = Instant::now();
+    let fail = || Health::Failing {
+        error: "unreadable".into(),
+    };
+    let pause = Duration::from_secs(8);
+    // The route has backed off to an 8 s pause in an outage.
+    *b.state.lock().unwrap() = State::Open {
+        until: t0,
+        pause,
+        error: "route paused (failing): HTTP 410".into(),
+        misses: 0,
+    };
+    let mut now = t0;
+    for _ in 1..PROBE_TRIES {
+        assert_eq!(b.admit(now), Admit::Send, "the probe");
+        let (until, error) = b.record_health(fail(), &[1], now).expect("still paused");
+        assert_eq!(until, now + probe_gap(pause), "tried again soon");
+        assert!(probe_gap(pause) <= Duration::from_secs(1));
+        assert!(error.contains("HTTP 410"), "the pause's own error: {error}");
+        assert!(matches!(b.admit(now), Admit::Paused { .. }));
+        now = until;
+    }
+    // The next one is accepted: the route resumes, the backoff starts over.
+    assert_eq!(b.admit(now), Admit::Send);
+    assert_eq!(b.record_health(Health::Up, &[1], now), None);
+    assert_eq!(b.admit(now), Admit::Send);
+    // Every try failing: the pause doubles (up to the longest), as before.
+    *b.state.lock().unwrap() = State::Open {
+        until: now,
+        pause,
+        error: "e".into(),
+        misses: 0,
+    };
+    for _ in 1..PROBE_TRIES {
+        assert_eq!(b.admit(now), Admit::Send);
+        now = b.record_health(fail(), &[1], now).unwrap().0;
+    }
+    assert_eq!(b.admit(now), Admit::Send);
+    let (until, _) = b.record_health(fail(), &[1], now).unwrap();
+    assert_eq!(until, now + Duration::from_secs(10));
+    // A probe the sink refuses outright doubles it at once.
+    assert_eq!(b.admit(until), Admit::Send);
+    let down = Health::Down {
+        after: None,
+        cause: "unauthorized",
+        error: "401".into(),
+    };
+    let (again, _) = b.record_health(down, &[1], until).unwrap();
+    assert_eq!(again, until + Duration::from_secs(10));
 }
 
 #[test]

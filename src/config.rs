@@ -34,7 +34,7 @@ pub use error::ConfigError;
 pub use janitor::JanitorConfig;
 pub use relay::RelayConfig;
 pub use server::ServerConfig;
-pub use tenants::{TenantWeight, MAX_TENANT_WEIGHT};
+pub use tenants::{TenantPolicy, TenantWeight, MAX_TENANT_WEIGHT};
 pub(crate) use validate::ACTORS_POOL;
 
 /// Environment prefix for every key: `OUTBOX_RELAY_RELAY__SHARDS=4` sets `relay.shards`.

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use ractor::{Actor, ActorRef, ActorStatus};
 use tokio::task::JoinHandle;
 
-use crate::actors::claim_plan::{ClaimRoutes, TenantWeights};
+use crate::actors::claim_plan::{ClaimRoutes, Fairness, TenantRates, TenantWeights};
 use crate::actors::claimer::{ClaimSettings, ClaimerContext, Claimers};
 use crate::actors::coordinator::CoordinatorArgs;
 use crate::actors::identity;
@@ -136,9 +136,14 @@ impl Relay {
             .retry_policies()
             .map_err(|e| RelayError::Config(e.to_string()))?;
         let tenants = r
-            .tenant_weights()
+            .tenant_policy()
             .map_err(|e| RelayError::Config(e.to_string()))?
-            .map(|w| Arc::new(TenantWeights::new(w)));
+            .map(|p| {
+                Fairness::new(
+                    TenantWeights::new(p.weights),
+                    TenantRates::new(p.rates, p.default_rate),
+                )
+            });
         // Each role's sessions on the actors' pool, with its statement timeout.
         let timeouts = &db.statement_timeout;
         let limited = |t: Option<Duration>| match t {
@@ -172,13 +177,17 @@ impl Relay {
             return Err(RelayError::Config(identity::name_taken(&replica, &holder)));
         }
         let marker_port = MarkerPort::default();
-        let publishers = Publishers::new(r.publishers as usize, tenants.clone());
+        let publishers = Publishers::new(
+            r.publishers as usize,
+            tenants.as_ref().map(|t| Arc::clone(&t.weights)),
+        );
         let claimers = Claimers::new(ClaimerContext {
             store: limited(timeouts.claims()),
             settings: ClaimSettings {
                 batch: r.claim_batch as usize,
                 lease: r.lease,
                 poll_interval: r.poll_interval,
+                idle_poll_max: r.idle_poll_max,
                 routes: Arc::new(ClaimRoutes::new(&router)),
                 job_rows: config.qstash.batch_size.get(),
                 tenants,
@@ -227,6 +236,10 @@ impl Relay {
                 // An ordered key's next event becomes claimable with its
                 // predecessor's mark: do not leave it waiting for the poll.
                 after_flush: config.any_ordered_route().then(|| Arc::clone(&wake)),
+                due_at: {
+                    let claimers = claimers.clone();
+                    Arc::new(move |shard, at| claimers.due_at(shard, at))
+                },
             },
             marker_port,
             publisher: Arc::new(publisher),

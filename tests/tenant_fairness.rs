@@ -210,6 +210,83 @@ async fn a_quiet_tenants_events_do_not_queue_behind_a_backlogs_claimed_rows() {
     );
 }
 
+/// A paced tenant (`[[relay.tenants]] rate`): its backlog reaches the sink no
+/// faster than its pace allows (a second's worth at once, then `rate` per
+/// second: 1,500 rows at 300/s take at least 4 s from the relay's start),
+/// every row of it arrives, and another tenant's events committed meanwhile
+/// arrive while the paced backlog is still pending. Measured from the
+/// relay's start, so a slow machine can only make it longer; unpaced, the
+/// same backlog goes in well under a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paced_tenant_is_sent_no_faster_than_its_rate_and_others_are_not_held_back() {
+    const PACED: i64 = 1_500;
+    const RATE: i64 = 300;
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
+    let client = db.client().await.unwrap();
+    insert_rows(&client, TENANT_A, "a", PACED).await;
+    let toml = config_toml_with(
+        &db,
+        &sink.url(),
+        &format!(
+            "[relay]\ntenant_fairness = true\nclaim_batch = {CLAIM_BATCH}\n\
+             [[relay.tenants]]\nid = \"{TENANT_A}\"\nrate = {RATE}\n"
+        ),
+        QSTASH_ROUTE,
+    );
+    let cfg = Config::from_toml_str(&toml).unwrap();
+    let started = std::time::Instant::now();
+    let started_us = chrono::Utc::now().timestamp_micros();
+    let relay = Relay::start(cfg).await.unwrap();
+    assert!(
+        sink.wait_for_records(1, Duration::from_secs(60)).await,
+        "the paced backlog's delivery did not start"
+    );
+    insert_rows(&client, TENANT_B, "b", B_EVENTS).await;
+    let b_ids: HashSet<i64> = common::column::<i64, _>(
+        &client,
+        &format!("SELECT id FROM outbox WHERE tenant_id = '{TENANT_B}'"),
+    )
+    .await;
+    let is_b = |r: &outbox_testkit::sink::Record| r.outbox_id.is_some_and(|id| b_ids.contains(&id));
+    assert!(
+        wait_until(Duration::from_secs(60), || async {
+            sink.records().iter().filter(|r| is_b(r)).count() == B_EVENTS as usize
+        })
+        .await,
+        "tenant B's events did not all arrive"
+    );
+    let a_pending_at_b = common::count(
+        &db,
+        &format!(
+            "SELECT count(*) FROM outbox WHERE tenant_id = '{TENANT_A}'
+               AND published_at IS NULL AND dead_lettered_at IS NULL"
+        ),
+    )
+    .await;
+    drains_and_stops(&db, relay, Duration::from_secs(120)).await;
+    let records = sink.records();
+    let a: Vec<&outbox_testkit::sink::Record> = records.iter().filter(|r| !is_b(r)).collect();
+    let a_ids: HashSet<i64> = a.iter().filter_map(|r| r.outbox_id).collect();
+    assert_eq!(a_ids.len() as i64, PACED, "every paced row arrives");
+    let last_a_us = a.iter().map(|r| r.received_at_us).max().unwrap();
+    let took = Duration::from_micros((last_a_us - started_us).max(0) as u64);
+    let least = Duration::from_secs_f64((PACED - RATE) as f64 / RATE as f64);
+    eprintln!(
+        "the paced backlog's last row arrived {took:?} after the start ({:?} in all); \
+         {a_pending_at_b} of it pending when B's {B_EVENTS} had arrived",
+        started.elapsed()
+    );
+    assert!(
+        took >= least.mul_f64(0.98),
+        "{PACED} rows paced at {RATE}/s were all sent within {took:?} of the start (at least {least:?})"
+    );
+    assert!(
+        a_pending_at_b > 0,
+        "tenant B's events waited for the paced backlog to be sent"
+    );
+}
+
 #[test]
 fn tenant_fairness_config_errors_name_their_key() {
     let base = "[database]\nurl = \"postgres://localhost/x\"\n[qstash]\ntoken = \"t\"\n";
@@ -242,6 +319,22 @@ fn tenant_fairness_config_errors_name_their_key() {
             format!("{base}[relay]\ntenant_fairness = \"yes\"\n{route}"),
             "relay.tenant_fairness",
         ),
+        (
+            format!("{base}[relay]\ntenant_rate = 100\n{route}"),
+            "relay.tenant_rate",
+        ),
+        (
+            format!("{base}[relay]\ntenant_fairness = true\ntenant_rate = 0\n{route}"),
+            "relay.tenant_rate",
+        ),
+        (
+            format!("{base}[relay]\ntenant_fairness = true\ntenant_rate = -5\n{route}"),
+            "relay.tenant_rate",
+        ),
+        (
+            format!("{base}[relay]\ntenant_fairness = true\n[[relay.tenants]]\nid = \"{TENANT_A}\"\nrate = 0\n{route}"),
+            "relay.tenants[0].rate",
+        ),
     ];
     let cases: Vec<(&str, &str)> = cases.iter().map(|(t, k)| (t.as_str(), *k)).collect();
     common::assert_config_errors_name(&cases);
@@ -251,4 +344,23 @@ fn tenant_fairness_config_errors_name_their_key() {
     );
     let cfg = Config::from_toml_str(&ok).unwrap();
     assert_eq!(cfg.relay.tenants.len(), 2);
+    // A pace alone (the weight is then 1), and a pace for every tenant.
+    let ok = format!(
+        "{base}[relay]\ntenant_fairness = true\ntenant_rate = 2000\n[[relay.tenants]]\nid = \"{TENANT_A}\"\nrate = 50\n{route}"
+    );
+    let policy = Config::from_toml_str(&ok)
+        .unwrap()
+        .relay
+        .tenant_policy()
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        policy.weights,
+        [(uuid::Uuid::parse_str(TENANT_A).unwrap(), 1)]
+    );
+    assert_eq!(
+        policy.rates,
+        [(uuid::Uuid::parse_str(TENANT_A).unwrap(), 50)]
+    );
+    assert_eq!(policy.default_rate, Some(2000));
 }

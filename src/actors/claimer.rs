@@ -1,9 +1,10 @@
 //! Claimer: one per shard this replica holds. Claims a batch of ready rows
 //! under a lease in one statement (no transaction held across the network),
 //! hands them to the publishers, and claims again at once while batches come
-//! back full; otherwise it waits for the listener's wake-up or the poll
-//! interval. It never has more rows out than the in-flight permits allow
-//! (backpressure).
+//! back full; otherwise it waits for the listener's wake-up or its poll
+//! ([`super::poll`]: backing off while claims find nothing, never past a
+//! time a row the marker wrote comes due). It never has more rows out than
+//! the in-flight permits allow (backpressure).
 //!
 //! [`Claimers`] is how the rest of the tree drives them: the coordinator
 //! starts and stops the claimer of a shard as it takes or hands over the
@@ -18,10 +19,11 @@ use std::time::{Duration, Instant};
 use metrics::{counter, histogram};
 use ractor::{Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef};
 
-use super::claim_plan::{ClaimPlan, ClaimRoutes, TenantWeights};
+use super::claim_plan::{ClaimPlan, ClaimRoutes, Fairness};
 use super::inflight::{InFlight, Lease};
 use super::job_queue::Job;
 use super::marker::{Mark, Marked, MarkerPort};
+use super::poll::PollSchedule;
 use super::publisher::Publishers;
 use super::Counters;
 use crate::metrics as m;
@@ -45,8 +47,11 @@ pub(crate) enum ClaimerMsg {
     Claim,
     /// New rows may be ready (the listener saw the id sequence move).
     Wake,
-    /// The poll interval passed since the last idle claim.
+    /// The poll's wait passed since the last idle claim.
     Tick(u64),
+    /// A row of the shard comes due then (a retry, a deferral or a hold the
+    /// marker wrote): an idle claimer claims no later.
+    DueAt(Instant),
 }
 
 /// How claims are made.
@@ -56,15 +61,17 @@ pub(crate) struct ClaimSettings {
     pub batch: usize,
     /// How long a claimed row is ours (`relay.lease`).
     pub lease: Duration,
-    /// Claim at least this often without a wake-up (`relay.poll_interval`).
+    /// Claim at least this often without a wake-up (`relay.poll_interval`)...
     pub poll_interval: Duration,
+    /// ...backing off to this while claims find nothing (`relay.idle_poll_max`).
+    pub idle_poll_max: Duration,
     /// Which rows each kind of claim takes.
     pub routes: Arc<ClaimRoutes>,
     /// Rows per publisher job (`qstash.batch_size`).
     pub job_rows: usize,
-    /// The tenants' weights when the plain claim is shared between tenants
-    /// (`relay.tenant_fairness`); `None`: it is not.
-    pub tenants: Option<Arc<TenantWeights>>,
+    /// The tenants' weights and paces when the plain claim is shared
+    /// between tenants (`relay.tenant_fairness`); `None`: it is not.
+    pub tenants: Option<Fairness>,
 }
 
 /// What every claimer works with, whatever its shard.
@@ -103,6 +110,10 @@ pub(crate) struct ClaimerState {
     woken: bool,
     /// When the last claim ran.
     last_claim: Instant,
+    /// When the next poll is, while one waits (a `Tick` of `idle_generation`).
+    next_poll: Option<Instant>,
+    /// How long the next poll waits.
+    poll: PollSchedule,
 }
 
 impl Actor for Claimer {
@@ -132,11 +143,16 @@ impl Actor for Claimer {
                 Arc::clone(&args.cx.settings.routes),
                 args.cx.settings.tenants.clone(),
             ),
+            poll: PollSchedule::new(
+                args.cx.settings.poll_interval,
+                args.cx.settings.idle_poll_max,
+            ),
             cx: args.cx,
             claim_queued: true,
             idle_generation: 0,
             woken: false,
             last_claim: Instant::now(),
+            next_poll: None,
         })
     }
 
@@ -165,6 +181,12 @@ impl Actor for Claimer {
                 state.claim_queued = false;
                 claim_and_dispatch(&myself, state).await;
             }
+            ClaimerMsg::DueAt(at) => {
+                let now = Instant::now();
+                if state.poll.due_at(at) && state.next_poll.is_some_and(|next| at < next) {
+                    claim_later(&myself, state, at.saturating_duration_since(now));
+                }
+            }
         }
         Ok(())
     }
@@ -178,6 +200,7 @@ fn queue_claim(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerState) {
 }
 
 fn claim_later(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerState, after: Duration) {
+    state.next_poll = Some(Instant::now() + after);
     state.idle_generation += 1;
     let generation = state.idle_generation;
     myself.send_after(after, move || ClaimerMsg::Tick(generation));
@@ -185,6 +208,7 @@ fn claim_later(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerState, after: D
 
 async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerState) {
     let cx = state.cx.clone();
+    state.next_poll = None;
     let now = Instant::now();
     if let Some(until) = cx.breakers.all_paused_until(now) {
         // Every route is paused: rows claimed now would only be put back.
@@ -197,7 +221,8 @@ async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerSt
     // A claim of about a batch once there is room for one: a claim costs
     // about the same for a few rows as for a batch.
     let room_rows = cx.settings.batch.min(cx.in_flight.tenant_most() / 4).max(1);
-    if !std::mem::take(&mut state.woken)
+    let woken = std::mem::take(&mut state.woken);
+    if !woken
         && state.last_claim.elapsed() < cx.settings.poll_interval
         && state.plan.waits_for_room(&cx.in_flight, room_rows)
     {
@@ -210,7 +235,8 @@ async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerSt
         return;
     };
     let wanted = permits.count();
-    state.last_claim = Instant::now();
+    let started = Instant::now();
+    state.last_claim = started;
     // Measured before the statement: the database's lease ends no earlier.
     let expires = Instant::now() + cx.settings.lease;
     let rows = match state
@@ -235,6 +261,8 @@ async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerSt
         }
     };
     counter!(m::CLAIMS).increment(1);
+    cx.counters.claims.fetch_add(1, AtomicOrdering::Relaxed);
+    state.poll.claimed(started, rows.len(), woken);
     if !rows.is_empty() {
         // Idle polls would drown "rows per claim" in zeros.
         histogram!(m::BATCH_SIZE).record(rows.len() as f64);
@@ -264,7 +292,8 @@ async fn claim_and_dispatch(myself: &ActorRef<ClaimerMsg>, state: &mut ClaimerSt
     } else if state.plan.waits_for_room(&cx.in_flight, room_rows) {
         claim_later(myself, state, ROOM_CHECK);
     } else {
-        claim_later(myself, state, cx.settings.poll_interval);
+        let wait = state.poll.wait(Instant::now());
+        claim_later(myself, state, wait);
     }
 }
 
@@ -409,6 +438,13 @@ impl Claimers {
             .collect();
         for actor in actors {
             stop(actor).await;
+        }
+    }
+
+    /// A row of `shard` comes due at `at`: its claimer polls no later.
+    pub(crate) fn due_at(&self, shard: ShardId, at: Instant) {
+        if let Some(actor) = self.0.running().get(&shard).and_then(|r| r.actor.as_ref()) {
+            let _ = actor.cast(ClaimerMsg::DueAt(at));
         }
     }
 

@@ -8,20 +8,20 @@
 //! and by the shard's fencing token, so a replica that lost the shard (paused
 //! past its shard lease, cut off) has its late marks refused by the database.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering as AtomicOrdering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use metrics::counter;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use super::inflight::{InFlight, Lease};
-use super::{Counters, Slot, Wake};
+use super::{Counters, DueAt, Slot, Wake};
 use crate::metrics as m;
 use crate::sink::{DeadReason, RetryReason};
 use crate::store::mark::{mark_split, Held, Write, Written};
-use crate::store::{Session, Store};
+use crate::store::{Session, ShardId, Store};
 
 /// What the marker writes for a row.
 #[derive(Debug, Clone, PartialEq)]
@@ -74,6 +74,19 @@ impl Mark {
                 error,
             },
             Mark::Hold { delay } => Write::Hold { delay: *delay },
+        }
+    }
+
+    /// How long after its mark the row can be claimed again, for the rows
+    /// that stay pending: a retry's or a deferral's delay, a hold's length,
+    /// and at once for a row given back unattempted.
+    fn comes_due_in(&self) -> Option<Duration> {
+        match self {
+            Mark::Retry { delay, .. } | Mark::Defer { delay, .. } | Mark::Hold { delay } => {
+                Some(*delay)
+            }
+            Mark::Release => Some(Duration::ZERO),
+            Mark::Published | Mark::Dead { .. } => None,
         }
     }
 }
@@ -184,6 +197,9 @@ pub(crate) struct MarkerArgs {
     /// Called after each successful flush (ordered routes: a key's next
     /// event may have become claimable).
     pub after_flush: Option<Wake>,
+    /// Told, per shard, the earliest time a row a flush left pending comes
+    /// due (the claimers' poll backs off while claims find nothing).
+    pub due_at: DueAt,
 }
 
 pub(crate) struct MarkerState {
@@ -301,6 +317,7 @@ async fn flush(myself: &ActorRef<MarkerMsg>, state: &mut MarkerState) -> bool {
         .drain(..)
         .partition(|_| *keep.next().expect("one flag per mark"));
     account(&state.args, &finished, &written.applied, &refused);
+    tell_due(&state.args, &finished, &written.applied);
     drop(finished); // leases and permits go back here
     state.args.in_flight.set_gauge();
     state.pending = retry;
@@ -327,6 +344,30 @@ async fn flush(myself: &ActorRef<MarkerMsg>, state: &mut MarkerState) -> bool {
             }
             false
         }
+    }
+}
+
+/// Tells each shard's claimer when the earliest of the rows just marked
+/// that stay pending comes due: written retries, deferrals and holds (a
+/// fenced one is another tenure's), and rows given back unattempted.
+fn tell_due(args: &MarkerArgs, finished: &[Marked], applied: &HashSet<i64>) {
+    let now = Instant::now();
+    let mut earliest: HashMap<ShardId, Instant> = HashMap::new();
+    for marked in finished {
+        let Some(delay) = marked.mark.comes_due_in() else {
+            continue;
+        };
+        if !matches!(marked.mark, Mark::Release) && !applied.contains(&marked.lease.id()) {
+            continue;
+        }
+        let at = now + delay;
+        earliest
+            .entry(marked.lease.held.fence.shard)
+            .and_modify(|t| *t = (*t).min(at))
+            .or_insert(at);
+    }
+    for (shard, at) in earliest {
+        (args.due_at)(shard, at);
     }
 }
 

@@ -28,6 +28,7 @@ pub(crate) mod job_queue;
 pub(crate) mod listener;
 pub(crate) mod marker;
 pub(crate) mod ownership;
+pub(crate) mod poll;
 pub(crate) mod publisher;
 pub(crate) mod supervisor;
 pub(crate) mod winddown;
@@ -39,6 +40,10 @@ use ractor::ActorRef;
 
 /// Something to call when new rows may be ready: wakes the claimers.
 pub(crate) type Wake = Arc<dyn Fn() + Send + Sync>;
+
+/// Something to call when a row of a shard comes due at a time (a retry, a
+/// deferral or a hold the marker wrote): that shard's claimer polls then.
+pub(crate) type DueAt = Arc<dyn Fn(crate::store::ShardId, std::time::Instant) + Send + Sync>;
 
 /// The current actor of one kind, replaced by the supervisor when it restarts
 /// the actor; senders look it up on every send.
@@ -63,6 +68,7 @@ impl<M> Slot<M> {
 /// Totals since start, for `drain`'s summary and readiness.
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
+    pub claims: AtomicU64,
     pub claimed: AtomicU64,
     pub published: AtomicU64,
     pub retried: AtomicU64,
@@ -74,6 +80,9 @@ pub(crate) struct Counters {
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct CountersSnapshot {
+    /// Claim statements the claimers ran (found something or not).
+    pub claims: u64,
+    /// Rows they claimed.
     pub claimed: u64,
     pub published: u64,
     pub retried: u64,
@@ -88,6 +97,7 @@ pub struct CountersSnapshot {
 impl Counters {
     pub(crate) fn snapshot(&self) -> CountersSnapshot {
         CountersSnapshot {
+            claims: self.claims.load(Ordering::Relaxed),
             claimed: self.claimed.load(Ordering::Relaxed),
             published: self.published.load(Ordering::Relaxed),
             retried: self.retried.load(Ordering::Relaxed),

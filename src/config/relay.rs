@@ -26,6 +26,13 @@ pub struct RelayConfig {
     /// Claim at least this often when the listener has not woken the claimers.
     #[serde(with = "humantime_serde")]
     pub poll_interval: Duration,
+    /// While claims find nothing, a claimer's poll doubles from
+    /// `poll_interval` up to this (a due retry, a wake-up or rows found
+    /// bring it back): what an idle claim over held keys costs, and the
+    /// longest a row only the poll can find (due by a time an earlier
+    /// process wrote) waits. Not above `poll_interval`: no backoff.
+    #[serde(with = "humantime_serde")]
+    pub idle_poll_max: Duration,
     /// The listener probes for new rows every 1 ms while they arrive, backing
     /// off to this while none do: the longest wait of the first row after a
     /// quiet spell, and about what an idle listener costs the database.
@@ -65,7 +72,12 @@ pub struct RelayConfig {
     /// with rows pending, so one tenant's backlog does not hold back
     /// another's events by more than a claim.
     pub tenant_fairness: bool,
-    /// Tenants whose share is not 1 (`[[relay.tenants]]`, `id` and `weight`).
+    /// The most rows of one tenant the plain claims of this relay take per
+    /// second, for tenants without a `rate` of their own; unset: no pace.
+    /// Only with `tenant_fairness`.
+    pub tenant_rate: Option<u32>,
+    /// Tenants whose share is not 1 or whose pace is their own
+    /// (`[[relay.tenants]]`: `id`, `weight`, `rate`).
     pub tenants: Vec<TenantWeight>,
 }
 
@@ -86,6 +98,7 @@ impl Default for RelayConfig {
             max_in_flight: 5000,
             lease: Duration::from_secs(60),
             poll_interval: Duration::from_secs(1),
+            idle_poll_max: Duration::from_secs(5),
             idle_probe_max: Duration::from_secs(1),
             max_attempts: 10,
             backoff_base: Duration::from_secs(1),
@@ -99,6 +112,7 @@ impl Default for RelayConfig {
             replica_id: String::new(),
             shard_lease: Duration::from_secs(10),
             tenant_fairness: false,
+            tenant_rate: None,
             tenants: Vec::new(),
         }
     }

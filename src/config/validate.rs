@@ -133,7 +133,7 @@ impl Config {
             ));
         }
         self.database.validate_connections(r.shard_lease)?;
-        r.tenant_weights()?;
+        r.tenant_policy()?;
         self.janitor.validate()?;
         self.retry_policies()?;
         self.telemetry

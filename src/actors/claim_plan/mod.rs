@@ -15,11 +15,13 @@
 //! own events only, and events of one key on different routes are
 //! independent.
 
+mod tenant_rates;
 mod tenants;
 
 use std::sync::Arc;
 
-pub(crate) use self::tenants::TenantWeights;
+pub(crate) use self::tenant_rates::TenantRates;
+pub(crate) use self::tenants::{Fairness, TenantWeights};
 use self::tenants::{TenantClaim, TenantPlan};
 use super::inflight::{ClaimGuard, InFlight};
 use crate::routes::{EventPattern, Router};
@@ -103,9 +105,9 @@ pub(crate) struct ClaimPlan {
 }
 
 impl ClaimPlan {
-    /// The plan of one claimer; `tenants`: the tenants' weights when the
-    /// plain claim is shared between tenants (`relay.tenant_fairness`).
-    pub(crate) fn new(routes: Arc<ClaimRoutes>, tenants: Option<Arc<TenantWeights>>) -> ClaimPlan {
+    /// The plan of one claimer; `tenants`: the tenants' weights and paces
+    /// when the plain claim is shared between tenants (`relay.tenant_fairness`).
+    pub(crate) fn new(routes: Arc<ClaimRoutes>, tenants: Option<Fairness>) -> ClaimPlan {
         ClaimPlan {
             key_cursors: vec![no_key_cursor(); routes.ordered.len()],
             routes,
@@ -214,7 +216,7 @@ impl ClaimPlan {
         // anywhere in the shard).
         self.cursor = next_cursor(limit, read_len, last_read, &taken);
         if let Some(tenants) = &mut self.tenants {
-            tenants.plain_took(taken.len(), limit);
+            tenants.plain_took(&taken, limit);
         }
         Ok(taken)
     }

@@ -15,12 +15,18 @@
 //! own cursor (like the plain claim's): in a burst, its next share starts
 //! after the rows it already has out. The ordered routes' key heads are not
 //! shared by tenant: their key walk takes one head per key in turn already.
+//!
+//! A paced tenant ([`TenantRates`]) takes no more than its bucket holds: its
+//! room is the lesser of its room in flight and its budget, and a claim cut
+//! short by either waits in memory for it ([`TenantPlan::waits_for_room`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use uuid::Uuid;
 
+use super::tenant_rates::TenantRates;
 use super::{next_cursor, Claim};
 use crate::actors::inflight::InFlight;
 use crate::store::outbox::{no_cursor, Claimed, Cursor};
@@ -89,9 +95,27 @@ fn within(shares: Vec<i64>, rooms: &[i64]) -> Vec<i64> {
         .collect()
 }
 
+/// The tenants' policy every claimer of this relay follows: their weights
+/// in the shares, and their paces (the buckets are shared by the claimers).
+#[derive(Debug, Clone)]
+pub(crate) struct Fairness {
+    pub(crate) weights: Arc<TenantWeights>,
+    pub(crate) rates: Arc<TenantRates>,
+}
+
+impl Fairness {
+    pub(crate) fn new(weights: TenantWeights, rates: TenantRates) -> Fairness {
+        Fairness {
+            weights: Arc::new(weights),
+            rates: Arc::new(rates),
+        }
+    }
+}
+
 /// Where one claimer's tenant walk is, and each tenant's cursor.
 pub(crate) struct TenantPlan {
     weights: Arc<TenantWeights>,
+    rates: Arc<TenantRates>,
     /// The walk of the next claim starts after this tenant.
     after: Uuid,
     /// Per tenant: the last row of its last full share.
@@ -108,9 +132,10 @@ pub(crate) struct TenantPlan {
 }
 
 impl TenantPlan {
-    pub(crate) fn new(weights: Arc<TenantWeights>) -> TenantPlan {
+    pub(crate) fn new(fairness: Fairness) -> TenantPlan {
         TenantPlan {
-            weights,
+            weights: fairness.weights,
+            rates: fairness.rates,
             after: Uuid::nil(),
             cursors: HashMap::new(),
             // A claimer may start on a backlog.
@@ -119,19 +144,47 @@ impl TenantPlan {
         }
     }
 
-    /// The plain claim of `limit` rows took `taken`.
-    pub(super) fn plain_took(&mut self, taken: usize, limit: i64) {
-        self.busy = taken as i64 >= limit;
+    /// The plain claim of `limit` rows took `taken`: paced tenants spend
+    /// their rows.
+    pub(super) fn plain_took(&mut self, taken: &[Claimed], limit: i64) {
+        self.spend(taken);
+        self.busy = taken.len() as i64 >= limit;
         if !self.busy {
             // It took every due row within the room: nothing was held back.
             self.held_back.clear();
         }
     }
 
-    /// Whether the last claim was cut short by rooms in flight only, and
-    /// none of those tenants has room for `rows` more yet.
+    /// Whether the last claim was cut short by rooms in flight or paces
+    /// only, and none of those tenants has room for `rows` more yet (or, if
+    /// paced, for a tenth of a second of its pace, when that is fewer: its
+    /// claims come ten times a second rather than in bursts of a second's
+    /// worth).
     pub(super) fn waits_for_room(&self, in_flight: &InFlight, rows: usize) -> bool {
-        !self.held_back.is_empty() && self.held_back.iter().all(|t| in_flight.room_of(t) < rows)
+        let now = Instant::now();
+        !self.held_back.is_empty()
+            && self.held_back.iter().all(|t| {
+                let wanted =
+                    self.rates
+                        .burst_of(t)
+                        .map_or(rows, |b| rows.min((b / 10).max(1))) as i64;
+                room(&self.rates, in_flight, t, now) < wanted
+            })
+    }
+
+    /// Paced tenants spend the rows a claim took of theirs.
+    fn spend(&self, taken: &[Claimed]) {
+        if !self.rates.any() || taken.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let mut per: HashMap<Uuid, usize> = HashMap::new();
+        for c in taken {
+            *per.entry(c.row.tenant_id).or_default() += 1;
+        }
+        for (tenant, rows) in per {
+            self.rates.took(&tenant, rows, now);
+        }
     }
 
     /// Up to `limit` rows of the unordered routes shared between the
@@ -153,7 +206,9 @@ impl TenantPlan {
             .session
             .tenants_pending(claim.scope.fence, self.after, limit)
             .await?;
-        let room = |t: &Uuid| claim.in_flight.room_of(t) as i64;
+        let now = Instant::now();
+        let rates = &self.rates;
+        let room = |t: &Uuid| room(rates, claim.in_flight, t, now);
         if tenants.len() <= 1 {
             self.cursors.clear();
             let Some(alone) = tenants.first() else {
@@ -196,6 +251,7 @@ impl TenantPlan {
             let second = within(shares(&weights, left), &rooms);
             rows.extend(self.take(claim, &more, &second).await?);
         }
+        self.spend(&rows);
         self.busy = capped || rows.len() as i64 >= limit;
         if (rows.len() as i64) < limit {
             self.held_back = tenants
@@ -247,6 +303,15 @@ impl TenantPlan {
     }
 }
 
+/// How many more rows of `tenant` a claim may take at `now`: its room in
+/// flight, within its pace's budget.
+fn room(rates: &TenantRates, in_flight: &InFlight, tenant: &Uuid, now: Instant) -> i64 {
+    let room = in_flight.room_of(tenant) as i64;
+    rates
+        .budget(tenant, now)
+        .map_or(room, |budget| room.min(budget))
+}
+
 fn taken_by(rows: &[Claimed], tenant: &Uuid) -> usize {
     rows.iter().filter(|c| c.row.tenant_id == *tenant).count()
 }
@@ -288,10 +353,24 @@ mod tests {
 
     /// A claimer's plan with one unordered route taking every type.
     fn plan_of(weights: Option<TenantWeights>) -> ClaimPlan {
+        plan_with(weights.map(|w| Fairness::new(w, TenantRates::default())))
+    }
+
+    /// The same with tenants' weights and paces.
+    fn plan_with(fairness: Option<Fairness>) -> ClaimPlan {
         let routes = Arc::new(ClaimRoutes::new(&Router::new(&testing::routes(
             "[[routes]]\nevent_type = \"*\"\ndestination = \"https://a.example/all\"\n",
         ))));
-        ClaimPlan::new(routes, weights.map(Arc::new))
+        ClaimPlan::new(routes, fairness)
+    }
+
+    /// Rows per tenant, by the low bits of its id.
+    fn per_tenant(rows: &[Claimed]) -> HashMap<u128, usize> {
+        let mut per = HashMap::new();
+        for r in rows {
+            *per.entry(r.row.tenant_id.as_u128()).or_default() += 1;
+        }
+        per
     }
 
     /// Rows per tenant (by the low bits of its id) that one claim of
@@ -309,11 +388,7 @@ mod tests {
             .claim(&mut session, &in_flight, fence, limit)
             .await
             .unwrap();
-        let mut per = HashMap::new();
-        for r in &rows {
-            *per.entry(r.row.tenant_id.as_u128()).or_default() += 1;
-        }
-        (rows.iter().map(|c| c.row.id).collect(), per)
+        (rows.iter().map(|c| c.row.id).collect(), per_tenant(&rows))
     }
 
     /// Two tenants, one with a backlog: the other's three rows come in the
@@ -341,6 +416,52 @@ mod tests {
         let weights = TenantWeights::new([(Uuid::from_u128(1), 3)]);
         let (_, per) = one_claim(&db, Some(weights), 10).await;
         assert_eq!(per, HashMap::from([(1, 6), (2, 2), (3, 2)]));
+    }
+
+    /// A paced tenant's backlog takes no more of the claims than its bucket
+    /// holds, the other tenant's rows come all the same, and the claimer is
+    /// told to wait for the pace instead of claiming again for nothing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_paced_tenant_takes_no_more_than_its_bucket_and_the_others_come_all_the_same() {
+        let db = TestDb::new().await.unwrap();
+        let client = db.client().await.unwrap();
+        rows_of(&client, 1, 1_000).await;
+        rows_of(&client, 2, 3).await;
+        let (store, fence) = db.one_shard().await;
+        let rates = TenantRates::new([(Uuid::from_u128(1), 100)], None);
+        let mut plan = plan_with(Some(Fairness::new(TenantWeights::default(), rates)));
+        let mut session = store.session();
+        let in_flight = InFlight::new(1000);
+        let first = plan
+            .claim(&mut session, &in_flight, fence, 500)
+            .await
+            .unwrap();
+        assert_eq!(per_tenant(&first), HashMap::from([(1, 100), (2, 3)]));
+        assert!(
+            plan.waits_for_room(&in_flight, 500),
+            "the pace cut the claim short: wait for it"
+        );
+        // At once again: the bucket is (all but) empty.
+        let again = plan
+            .claim(&mut session, &in_flight, fence, 500)
+            .await
+            .unwrap();
+        let a_again = per_tenant(&again).get(&1).copied().unwrap_or(0);
+        assert!(
+            a_again <= 5,
+            "{a_again} more of the paced tenant's rows at once"
+        );
+        // A tenant without a pace is not held back by another's.
+        assert_eq!(
+            plan.claim(&mut session, &in_flight, fence, 500)
+                .await
+                .unwrap()
+                .iter()
+                .filter(|c| c.row.tenant_id.as_u128() == 2)
+                .count(),
+            3,
+            "the unpaced tenant's rows (not out: read again) come with every claim"
+        );
     }
 
     /// One claim of up to 10 rows (as many as permits are free), leased: the rows' tenants and leases.

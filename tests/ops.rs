@@ -11,6 +11,7 @@ use chrono::{DateTime, Timelike, Utc};
 use outbox_relay::config::{Config, JanitorConfig};
 use outbox_relay::janitor::{run_janitor, run_janitor_observed, JanitorSummary};
 use outbox_relay::store::mark::Write;
+use outbox_relay::store::migrate;
 use outbox_relay::store::outbox::{no_cursor, ClaimScope};
 use outbox_relay::store::partitions::{self, MaintainOptions, PartitionAction};
 use outbox_relay::store::retention::{self as prune, PruneOptions};
@@ -946,6 +947,59 @@ async fn the_published_at_index_serves_the_throughput_series_and_retention() {
     )
     .await;
     assert!(retention.contains("outbox_published_at_idx"), "{retention}");
+}
+
+/// Migration 0014 drops the two indexes no statement reads on a plain outbox
+/// (each was an entry per producer insert); on an outbox partitioned before it
+/// (whose indexes cannot be dropped concurrently) it runs and leaves them.
+#[tokio::test]
+async fn migration_0014_drops_two_unread_indexes_and_leaves_a_partitioned_outboxs() {
+    const DROPPED: &str = "SELECT indexname::text FROM pg_indexes
+        WHERE schemaname = 'public' AND tablename = 'outbox'
+          AND indexname IN ('outbox_ready_idx', 'outbox_pending_age_idx') ORDER BY 1";
+    let both = vec![
+        "outbox_pending_age_idx".to_owned(),
+        "outbox_ready_idx".to_owned(),
+    ];
+    let plain = TestDb::empty().await.unwrap();
+    let mut client = plain.client().await.unwrap();
+    migrate::run_to(&mut client, 13).await.unwrap();
+    assert_eq!(
+        common::column::<String, Vec<_>>(&client, DROPPED).await,
+        both
+    );
+    let report = migrate::run(&mut client).await.unwrap();
+    assert!(
+        common::column::<String, Vec<String>>(&client, DROPPED)
+            .await
+            .is_empty(),
+        "{report:?}"
+    );
+    drop(client);
+
+    let partitioned = TestDb::empty().await.unwrap();
+    let mut client = partitioned.client().await.unwrap();
+    migrate::run_to(&mut client, 13).await.unwrap();
+    partitions::init(&mut client, 0).await.unwrap();
+    // As the script made it before 0014 (it no longer builds the ready index).
+    client
+        .batch_execute(
+            "CREATE INDEX outbox_ready_idx ON outbox (available_at, id)
+             WHERE published_at IS NULL AND dead_lettered_at IS NULL",
+        )
+        .await
+        .unwrap();
+    migrate::run(&mut client).await.unwrap();
+    let version: i32 = client
+        .query_one("SELECT max(version) FROM outbox_relay_migrations", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(version, 14);
+    assert_eq!(
+        common::column::<String, Vec<_>>(&client, DROPPED).await,
+        both
+    );
 }
 
 /// The optional script rebuilds the outbox from scratch: it must stay in step

@@ -324,6 +324,13 @@ async fn a_killed_replicas_shards_move_after_one_lease_and_nothing_is_lost() {
         .await
         .unwrap();
     let killed_at = Instant::now();
+    // Requests the dead process had written may still sit in the sink's
+    // socket buffers, read after its exit: seen once in a full suite run,
+    // 20 of its last rows reached the sink after the snapshot below and
+    // counted as unexplained duplicates. Its shard leases (2 s, renewed every
+    // quarter of that) outlive this pause by a second or more, so no other
+    // replica sends its rows meanwhile.
+    tokio::time::sleep(Duration::from_millis(300)).await;
     // What may arrive twice: rows of its shards that it had sent (the sink
     // saw them) but not marked when it died. A claim writes nothing, so the
     // rows it had read and not sent are simply read again by the new owner.

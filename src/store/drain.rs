@@ -1,6 +1,6 @@
 //! `drain`'s completion check, run every `drain_poll` for the whole drain:
 //! is anything due (or retrying within the horizon) or held for a delivery
-//! callback? It reads the pending rows through `outbox_ready_idx` and stops
+//! callback? It reads the pending rows through `outbox_bucket_ready_idx` and stops
 //! at the first one that keeps the drain running; the counts of what is left
 //! ([`Store::drain_state`]) are read once, when the drain stops.
 
@@ -15,18 +15,20 @@ use super::{Sql, Store, StoreError};
 /// deferral before its first counted attempt, which leaves a `last_error`,
 /// within `$1` ms) or held for a delivery callback. A held row is one that was
 /// claimed, so its `available_at` is in the past (a hold never moves it):
-/// both kinds lie in the index's range up to now + `$1`, and rows scheduled
-/// further off are never read. A scalar subquery in the index's order, so
-/// even statistics from before the drain (every row pending) cannot make it
-/// a scan of the table; it stops at the first row that keeps the drain
-/// running.
+/// both kinds have `available_at` up to now + `$1`, which the index tests
+/// without reading the heap, so a row scheduled further off costs one index
+/// entry, not a heap visit. A scalar subquery in the order of
+/// `outbox_bucket_ready_idx` (the claim's own index: no index is kept for
+/// this check alone, migration 0014), so even statistics from before the
+/// drain (every row pending) cannot make it a scan of the table; it stops at
+/// the first row that keeps the drain running.
 pub(crate) const DRAIN_BUSY: Sql = Sql {
     text: "SELECT (SELECT id FROM outbox
     WHERE published_at IS NULL AND dead_lettered_at IS NULL
       AND available_at <= now() + $1::int8 * interval '1 millisecond'
       AND (attempt_count > 0 OR last_error IS NOT NULL OR available_at <= now()
            OR (accepted_at IS NOT NULL AND locked_until > now()))
-    ORDER BY available_at, id LIMIT 1) IS NOT NULL",
+    ORDER BY bucket, available_at, id LIMIT 1) IS NOT NULL",
     types: &[Type::INT8],
 };
 

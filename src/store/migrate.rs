@@ -14,6 +14,9 @@
 //!   transaction; an INVALID index of that name (a build that died) is dropped
 //!   and built again.
 //! * `concurrently`: one statement outside a transaction.
+//! * `drop index <name>`: a `DROP INDEX CONCURRENTLY IF EXISTS`, outside a
+//!   transaction, unless `<name>` is a partitioned index (a partitioned
+//!   outbox's), which cannot be dropped concurrently and is left as it is.
 //!
 //! A migration is recorded once all its steps are done; every step is written
 //! to be run again, so a run killed midway is finished by the next one. A
@@ -147,6 +150,15 @@ pub const MIGRATIONS: &[Migration] = &[
         // An index: relays before it claim as they did.
         live_relays: LiveRelays::KeepWorking,
     },
+    Migration {
+        version: 14,
+        name: "producer_indexes",
+        sql: include_str!("../../migrations/0014_producer_indexes.sql"),
+        also_accepted: &[],
+        // Two indexes no statement needs: older relays' drain check walks
+        // another one.
+        live_relays: LiveRelays::KeepWorking,
+    },
 ];
 
 /// Arbitrary, fixed: "outbox-relay migrate" as an advisory lock key.
@@ -256,6 +268,7 @@ pub(crate) enum Step {
     Batches(String),
     Index { name: String, sql: String },
     Concurrently(String),
+    DropIndex { name: String, sql: String },
 }
 
 fn parse_steps(sql: &str) -> Vec<Step> {
@@ -275,6 +288,10 @@ fn parse_steps(sql: &str) -> Vec<Step> {
             ["transaction"] => Step::Transaction(text),
             ["batches"] => Step::Batches(text.trim().trim_end_matches(';').to_owned()),
             ["concurrently"] => Step::Concurrently(text),
+            ["drop", "index", name] => Step::DropIndex {
+                name: (*name).to_owned(),
+                sql: text,
+            },
             ["index", name] => Step::Index {
                 name: (*name).to_owned(),
                 sql: text,
@@ -537,6 +554,24 @@ async fn run_step(client: &Client, step: &Step) -> Result<(), tokio_postgres::Er
             client.batch_execute(sql).await
         }
         Step::Concurrently(sql) => {
+            client.batch_execute("SET lock_timeout = 0").await?;
+            client.batch_execute(sql).await
+        }
+        Step::DropIndex { name, sql } => {
+            let partitioned = client
+                .query_opt(
+                    "SELECT c.relkind = 'I' FROM pg_class c
+                     WHERE c.relname = $1 AND pg_table_is_visible(c.oid)",
+                    &[name],
+                )
+                .await?
+                .is_some_and(|r| r.get::<_, bool>(0));
+            if partitioned {
+                tracing::info!(index = %name, "a partitioned outbox keeps this index");
+                return Ok(());
+            }
+            // Like a concurrent build, the drop waits for older transactions
+            // without blocking producers.
             client.batch_execute("SET lock_timeout = 0").await?;
             client.batch_execute(sql).await
         }

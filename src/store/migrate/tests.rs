@@ -58,7 +58,7 @@ fn no_step_holds_a_lock_producers_wait_for_while_it_works_through_rows() {
             let (sql, in_transaction) = match step {
                 Step::Transaction(sql) => (sql.as_str(), true),
                 Step::Batches(sql) | Step::Concurrently(sql) => (sql.as_str(), false),
-                Step::Index { sql, .. } => (sql.as_str(), false),
+                Step::Index { sql, .. } | Step::DropIndex { sql, .. } => (sql.as_str(), false),
             };
             let code: String = sql
                 .lines()

@@ -28,7 +28,8 @@ async fn the_drain_check_reads_only_pending_rows() {
         !plan.contains("Seq Scan"),
         "the drain check scans the table:\n{plan}"
     );
-    assert!(plan.contains("outbox_ready_idx"), "{plan}");
+    assert!(plan.contains("outbox_bucket_ready_idx"), "{plan}");
+    assert!(!plan.contains("Sort"), "read in index order:\n{plan}");
 }
 
 /// Due rows and held rows keep a drain running; rows scheduled for later do

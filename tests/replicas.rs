@@ -324,21 +324,32 @@ async fn a_killed_replicas_shards_move_after_one_lease_and_nothing_is_lost() {
         .await
         .unwrap();
     let killed_at = Instant::now();
-    // Requests the dead process had written may still sit in the sink's
-    // socket buffers, read after its exit: seen once in a full suite run,
-    // 20 of its last rows reached the sink after the snapshot below and
-    // counted as unexplained duplicates. Its shard leases (2 s, renewed every
-    // quarter of that) outlive this pause by a second or more, so no other
-    // replica sends its rows meanwhile.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    // What may arrive twice: rows of its shards that it had sent (the sink
-    // saw them) but not marked when it died. A claim writes nothing, so the
-    // rows it had read and not sent are simply read again by the new owner.
-    let sent: HashSet<String> = sink.received().into_iter().map(|r| r.dedup_id).collect();
-    let in_flight_at_kill: HashSet<String> = db
-        .client()
+    // What may arrive twice: rows of its shards that it had sent but not
+    // marked when it died. A claim writes nothing, so the rows it had read
+    // and not sent are simply read again by the new owner. What it sent is
+    // told by time, not by a snapshot of the sink now: requests it had
+    // written may still sit in the sink's socket buffers and be read after
+    // its exit (a snapshot here once missed 20 such rows and called their
+    // second delivery unexplained). Until its shard leases end no other
+    // replica sends its shards' rows, so a row of theirs the sink first saw
+    // before then came from the dead one.
+    let client = db.client().await.unwrap();
+    let before_read = Instant::now();
+    let leases_left: f64 = client
+        .query_one(
+            "SELECT extract(epoch FROM min(lease_until) - now())::float8
+             FROM outbox_relay_shard_leases WHERE shard = ANY($1)",
+            &[&victim_shards],
+        )
         .await
         .unwrap()
+        .get(0);
+    assert!(
+        leases_left > 0.0,
+        "its leases ended before the kill was seen"
+    );
+    let handover = before_read + Duration::from_secs_f64(leases_left);
+    let pending_at_kill: HashSet<String> = client
         .query(
             "SELECT idempotency_key FROM outbox o JOIN outbox_relay_shard_leases l
                ON o.bucket >= l.bucket_lo AND o.bucket < l.bucket_hi
@@ -350,20 +361,27 @@ async fn a_killed_replicas_shards_move_after_one_lease_and_nothing_is_lost() {
         .unwrap()
         .iter()
         .map(|r| r.get::<_, String>(0))
-        .filter(|k| sent.contains(k))
         .collect();
     assert!(pending(&db).await > 0, "the kill came too late");
     wait_split(&db, &["a", "c"], Duration::from_secs(15)).await;
     // Not before its lease (2 s) could have ended.
     assert!(killed_at.elapsed() >= Duration::from_millis(1000));
     assert_drained_in_order(&db, &sink, 6000).await;
+    let mut first_seen: HashMap<String, Instant> = HashMap::new();
+    for r in sink.received() {
+        let at = first_seen.entry(r.dedup_id).or_insert(r.at);
+        *at = (*at).min(r.at);
+    }
+    let in_flight_at_kill = |k: &String| {
+        pending_at_kill.contains(k) && first_seen.get(k).is_some_and(|&at| at < handover)
+    };
     let mut times: HashMap<String, usize> = HashMap::new();
     for r in sink.accepted() {
         *times.entry(r.dedup_id).or_default() += 1;
     }
     let unexplained: Vec<_> = times
         .iter()
-        .filter(|(k, n)| **n > 1 && !in_flight_at_kill.contains(*k))
+        .filter(|(k, n)| **n > 1 && !in_flight_at_kill(k))
         .collect();
     assert!(
         unexplained.is_empty(),

@@ -537,15 +537,7 @@ async fn run_step(client: &Client, step: &Step) -> Result<(), tokio_postgres::Er
             // Concurrent builds wait for older transactions; that wait blocks
             // no producer, so it has no timeout.
             client.batch_execute("SET lock_timeout = 0").await?;
-            let valid: Option<bool> = client
-                .query_opt(
-                    "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
-                     WHERE c.relname = $1 AND pg_table_is_visible(c.oid)",
-                    &[name],
-                )
-                .await?
-                .map(|r| r.get(0));
-            if valid == Some(false) {
+            if index_state(client, name).await?.is_some_and(|i| !i.valid) {
                 tracing::warn!(index = %name, "dropping an invalid index left by an interrupted build");
                 client
                     .batch_execute(&format!("DROP INDEX CONCURRENTLY IF EXISTS {name}"))
@@ -558,15 +550,10 @@ async fn run_step(client: &Client, step: &Step) -> Result<(), tokio_postgres::Er
             client.batch_execute(sql).await
         }
         Step::DropIndex { name, sql } => {
-            let partitioned = client
-                .query_opt(
-                    "SELECT c.relkind = 'I' FROM pg_class c
-                     WHERE c.relname = $1 AND pg_table_is_visible(c.oid)",
-                    &[name],
-                )
+            if index_state(client, name)
                 .await?
-                .is_some_and(|r| r.get::<_, bool>(0));
-            if partitioned {
+                .is_some_and(|i| i.partitioned)
+            {
                 tracing::info!(index = %name, "a partitioned outbox keeps this index");
                 return Ok(());
             }
@@ -576,6 +563,33 @@ async fn run_step(client: &Client, step: &Step) -> Result<(), tokio_postgres::Er
             client.batch_execute(sql).await
         }
     }
+}
+
+/// What an index step needs to know of an index that exists.
+struct IndexState {
+    /// False for what an interrupted concurrent build left.
+    valid: bool,
+    /// A partitioned table's index (a partitioned outbox's).
+    partitioned: bool,
+}
+
+/// The index `name` on the search path, if there is one.
+async fn index_state(
+    client: &Client,
+    name: &str,
+) -> Result<Option<IndexState>, tokio_postgres::Error> {
+    Ok(client
+        .query_opt(
+            "SELECT i.indisvalid, c.relkind = 'I' FROM pg_index i
+             JOIN pg_class c ON c.oid = i.indexrelid
+             WHERE c.relname = $1 AND pg_table_is_visible(c.oid)",
+            &[&name],
+        )
+        .await?
+        .map(|r| IndexState {
+            valid: r.get(0),
+            partitioned: r.get(1),
+        }))
 }
 
 /// A role or schema name as an SQL identifier.

@@ -2,12 +2,22 @@
 //! itself (a 4xx), or fails every attempt the relay allows it, may be failing
 //! for everyone at that moment: a consumer being redeployed answers 404 to
 //! every request, a wrong path 404s every message, a small route's
-//! destination is down. The failure is the message's own only when the route
-//! accepted a message *sent* after this one began failing the way it fails
-//! now, and that acceptance was answered before the request that brought
-//! the verdict was sent; until then the verdict (dead-lettered) waits: the
-//! row is deferred without spending an attempt and sent again later, after a
-//! delay that doubles up to the breaker's longest pause.
+//! destination is down. The failure is the message's own only when it was
+//! failing the way it fails now on both sides of the route's acceptances:
+//! the route accepted a message *sent* after this one began failing so,
+//! answered before a later request of this one was sent, which failed the
+//! same way. That first window only moves the row on: a later verdict is
+//! carried out once the route accepted again since (a second window), or
+//! when the route is not failing now (no other event began failing since
+//! the latest acceptance left: poison events refused together on a route
+//! that accepted the rest and went quiet). Until then the verdict
+//! (dead-lettered) waits: the row is deferred without spending an attempt and
+//! sent again later, after a delay that doubles up to the breaker's longest
+//! pause. One window of acceptances is not enough: a row caught by one
+//! outage (every route refusing 404) and, minutes later, by a consumer's
+//! two-second redeploy has acceptances between its two refusals, thousands of
+//! them, and neither refusal was its own; in the redeploy fresh rows fail
+//! too, so it waits for the acceptances after it.
 //!
 //! Both ends of a witness are timed so that it surely happened between two
 //! failures of the row: an acceptance is dated by when its request left (a
@@ -64,8 +74,9 @@ const ACCEPTANCES: usize = 256;
 /// What to do with an event's final verdict.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Verdict {
-    /// The route accepted another message since this one first failed (or
-    /// it has failed alone for long): carry the verdict out.
+    /// The route accepted other messages between this one's failures (see
+    /// the module doc), or it has failed alone for long: carry the verdict
+    /// out.
     Carry,
     /// No witness yet: the route may be what fails. Send it again after
     /// `delay`, without counting an attempt.
@@ -91,6 +102,10 @@ struct Seen {
     beside: Option<(Kind, Instant)>,
     /// When its final verdict was first deferred (whatever the kind).
     deferred: Option<Instant>,
+    /// When a verdict of the way it fails now first had an acceptance for a
+    /// witness (and was deferred once more: those acceptances may lie
+    /// between two outages rather than around this failure).
+    witnessed: Option<Instant>,
 }
 
 impl Seen {
@@ -102,7 +117,8 @@ impl Seen {
 }
 
 /// One route's witnesses: its recent acceptances, since when each failing
-/// event has been failing, and the last two events that failed.
+/// event has been failing, the last two events that failed and the last two
+/// that began failing.
 #[derive(Debug, Default)]
 pub(crate) struct Witnesses {
     /// When the latest acceptance was answered.
@@ -116,6 +132,9 @@ pub(crate) struct Witnesses {
     /// The latest failure, and the latest of another event than that one.
     latest: Option<(i64, Instant)>,
     latest_other: Option<Instant>,
+    /// The two events that most recently began failing, newest first, and
+    /// when.
+    began: [Option<(i64, Instant)>; 2],
 }
 
 impl Witnesses {
@@ -142,10 +161,17 @@ impl Witnesses {
     /// that may be the sink's), the `kind` way; `beside` when the same
     /// answer accepted another message.
     pub(crate) fn failed(&mut self, id: i64, now: Instant, kind: Kind, beside: bool) {
+        if !self.failing.contains_key(&id) {
+            if self.began[0].is_some_and(|(last, _)| last != id) {
+                self.began[1] = self.began[0];
+            }
+            self.began[0] = Some((id, now));
+        }
         let seen = self.seen(id, now);
         if seen.kind != kind {
             seen.kind = kind;
             seen.since = now;
+            seen.witnessed = None;
         }
         if beside && seen.beside.is_none_or(|(k, _)| k != kind) {
             seen.beside = Some((kind, now));
@@ -168,8 +194,15 @@ impl Witnesses {
         longest: Duration,
     ) -> Verdict {
         let seen = *self.seen(id, now);
-        let witnessed =
-            seen.judged().is_some_and(|at| at <= sent) || self.accepted_between(seen.since, sent);
+        // Acceptances since the row began failing this way, or since its
+        // first witnessed verdict of this kind: the first such window only
+        // moves the row on. After it, a second window carries the verdict,
+        // and so does a route that is not failing now: no other event began
+        // failing since the latest acceptance left (poison events refused
+        // together on a route that went quiet after accepting the rest).
+        let window = self.accepted_between(seen.witnessed.unwrap_or(seen.since), sent);
+        let witnessed = seen.judged().is_some_and(|at| at <= sent)
+            || (seen.witnessed.is_some() && (window || !self.another_began_failing(id)));
         // Alone: nothing else failed or was accepted on the route for the
         // longest pause (events failing together come back within half a
         // longest pause of each other, the most a deferral waits; the
@@ -190,6 +223,9 @@ impl Witnesses {
         if let Some(seen) = self.failing.get_mut(&id) {
             seen.deferrals = seen.deferrals.saturating_add(1);
             seen.deferred.get_or_insert(now);
+            if window {
+                seen.witnessed = Some(now);
+            }
         }
         Verdict::Defer { delay }
     }
@@ -206,6 +242,16 @@ impl Witnesses {
     /// When the latest acceptance's request was sent.
     fn last_sent(&self) -> Option<Instant> {
         self.acceptances.back().map(|&(sent, _)| sent)
+    }
+
+    /// Another event than `id` began failing after the latest acceptance's
+    /// request left (or none was accepted): the route may be failing now.
+    fn another_began_failing(&self, id: i64) -> bool {
+        self.began
+            .iter()
+            .flatten()
+            .find(|&&(other, _)| other != id)
+            .is_some_and(|&(_, at)| self.last_sent().is_none_or(|sent| at > sent))
     }
 
     /// Of the failing events `ids`, those whose failure no acceptance
@@ -243,6 +289,7 @@ impl Witnesses {
             since: now,
             beside: None,
             deferred: None,
+            witnessed: None,
         })
     }
 
@@ -303,10 +350,19 @@ mod tests {
             delays,
             [2000, 2500, 2500, 2500, 2500].map(Duration::from_millis)
         );
-        // Another message is accepted: the next request's verdict is carried out.
+        // Another message is accepted: the next request's verdict has one
+        // window of acceptances behind it, and waits for a second.
         w.accepted(3, ms(t0, 25), ms(t0, 30));
         assert_eq!(
             w.verdict(1, ms(t0, 40), ms(t0, 50), LONGEST),
+            Verdict::Defer {
+                delay: Duration::from_millis(2500)
+            }
+        );
+        // Accepted again since that verdict: the next one is carried out.
+        w.accepted(4, ms(t0, 55), ms(t0, 60));
+        assert_eq!(
+            w.verdict(1, ms(t0, 70), ms(t0, 80), LONGEST),
             Verdict::Carry
         );
         assert_eq!(w.remembered(), 1);
@@ -323,9 +379,12 @@ mod tests {
         w.accepted(3, ms(t0, 995), ms(t0, 1000));
         w.failed(1, ms(t0, 1000), K, false);
         assert_eq!(w.verdict(1, ms(t0, 990), ms(t0, 1000), LONGEST), defer(1));
-        // Its next request, sent after the acceptance, is a witnessed one.
+        // Its next request, sent after the acceptance, is witnessed once;
+        // after another acceptance, twice.
+        assert_eq!(w.verdict(1, ms(t0, 2000), ms(t0, 2010), LONGEST), defer(2));
+        w.accepted(4, ms(t0, 2100), ms(t0, 2110));
         assert_eq!(
-            w.verdict(1, ms(t0, 2000), ms(t0, 2010), LONGEST),
+            w.verdict(1, ms(t0, 3000), ms(t0, 3010), LONGEST),
             Verdict::Carry
         );
     }
@@ -357,6 +416,14 @@ mod tests {
         );
         assert_eq!(
             w.verdict(1, ms(t0, 3000), ms(t0, 3010), LONGEST),
+            Verdict::Defer {
+                delay: Duration::from_millis(2500)
+            },
+            "one window of acceptances"
+        );
+        w.accepted(5, ms(t0, 3100), ms(t0, 3110));
+        assert_eq!(
+            w.verdict(1, ms(t0, 4000), ms(t0, 4010), LONGEST),
             Verdict::Carry
         );
     }
@@ -374,10 +441,10 @@ mod tests {
         w.accepted(4, ms(t0, 40), ms(t0, 700));
         assert_eq!(w.acceptances.len(), 2, "the slow one says nothing more");
         w.failed(2, ms(t0, 90), K, false);
-        assert_eq!(
-            w.verdict(1, ms(t0, 100), ms(t0, 110), LONGEST),
-            Verdict::Carry
-        );
+        assert!(w.accepted_between(ms(t0, 10), ms(t0, 100)), "the quick one");
+        assert!(!w.accepted_between(ms(t0, 10), ms(t0, 59)));
+        assert!(!w.accepted_between(ms(t0, 35), ms(t0, 600)), "sent at 40");
+        assert!(w.accepted_between(ms(t0, 35), ms(t0, 700)));
     }
 
     #[test]
@@ -405,11 +472,15 @@ mod tests {
         w.accepted(3, ms(t0, 10), ms(t0, 20));
         w.failed(1, ms(t0, 5000), 2, false);
         assert_eq!(w.verdict(1, ms(t0, 4990), ms(t0, 5000), LONGEST), defer(1));
-        // The same kind again after another acceptance: its own.
+        // The same kind again after another acceptance: one window of the
+        // new kind; after another, its own.
         w.accepted(4, ms(t0, 5100), ms(t0, 5110));
         w.failed(1, ms(t0, 6010), 2, false);
+        assert_eq!(w.verdict(1, ms(t0, 6000), ms(t0, 6010), LONGEST), defer(2));
+        w.accepted(5, ms(t0, 6100), ms(t0, 6110));
+        w.failed(1, ms(t0, 7010), 2, false);
         assert_eq!(
-            w.verdict(1, ms(t0, 6000), ms(t0, 6010), LONGEST),
+            w.verdict(1, ms(t0, 7000), ms(t0, 7010), LONGEST),
             Verdict::Carry
         );
     }

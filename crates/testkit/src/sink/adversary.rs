@@ -74,12 +74,24 @@ pub struct OutageWindow {
 #[derive(Debug, Clone)]
 pub(crate) struct ActiveOutage {
     pub kind: OutageKind,
+    /// When it began, unix µs (for its [`OutageWindow`]).
+    pub start_us: i64,
     pub until: Instant,
     pub until_wall: SystemTime,
     pub route: Option<String>,
 }
 
 impl ActiveOutage {
+    /// Its window, ending now.
+    pub(crate) fn window(&self) -> OutageWindow {
+        OutageWindow {
+            kind: self.kind,
+            start_us: self.start_us,
+            end_us: now_us(),
+            route: self.route.clone(),
+        }
+    }
+
     /// Does it fail a request carrying messages to `destinations`?
     pub(crate) fn applies<'a>(&self, mut destinations: impl Iterator<Item = &'a str>) -> bool {
         match &self.route {
@@ -450,6 +462,7 @@ mod tests {
     fn a_route_outage_fails_only_requests_to_its_destination_path() {
         let o = ActiveOutage {
             kind: OutageKind::NotFound,
+            start_us: now_us(),
             until: Instant::now(),
             until_wall: SystemTime::now(),
             route: Some("/hook/invoices".into()),

@@ -579,10 +579,10 @@ async fn run_outages(shared: Arc<Shared>, specs: Vec<OutageSpec>) {
             _ = tokio::time::sleep_until(origin + o.at) => {}
             _ = stopped(&mut shutdown) => return,
         }
-        let start_us = adversary::now_us();
         let until = Instant::now() + o.duration;
         *shared.outage.lock().expect("outage lock") = Some(ActiveOutage {
             kind: o.kind,
+            start_us: adversary::now_us(),
             until,
             until_wall: SystemTime::now() + o.duration,
             route: o.route.clone(),
@@ -595,7 +595,7 @@ async fn run_outages(shared: Arc<Shared>, specs: Vec<OutageSpec>) {
             _ = tokio::time::sleep_until(until.into()) => {}
             _ = stopped(&mut shutdown) => return,
         }
-        *shared.outage.lock().expect("outage lock") = None;
+        let ended = shared.outage.lock().expect("outage lock").take();
         if o.kind == OutageKind::Refused {
             shared.refuse.send_replace(false);
             // The outage lasts until the listener is back.
@@ -604,17 +604,12 @@ async fn run_outages(shared: Arc<Shared>, specs: Vec<OutageSpec>) {
                 _ = flag_is(&mut listening, true) => {}
                 _ = stopped(&mut shutdown) => return,
             }
+            if let Some(o) = ended {
+                shared.log_outage(&o);
+            }
+        } else if let Some(o) = ended {
+            shared.log_outage(&o);
         }
-        shared
-            .outage_log
-            .lock()
-            .expect("outage log lock")
-            .push(OutageWindow {
-                kind: o.kind,
-                start_us,
-                end_us: adversary::now_us(),
-                route: o.route.clone(),
-            });
         tracing::info!(kind = o.kind.as_str(), "sink: outage ends");
     }
 }
@@ -1373,13 +1368,28 @@ impl Shared {
         }
     }
 
-    /// The outage in force, if any.
+    /// The outage in force, if any. One whose time is up ends here, before
+    /// the schedule's timer fires: whoever gets an answer after an outage
+    /// also finds it in [`SinkHandle::outages`]. (A refused outage ends
+    /// only in the schedule, once the listener is back.)
     fn active_outage(&self) -> Option<ActiveOutage> {
         let mut o = self.outage.lock().expect("outage lock");
-        if o.as_ref().is_some_and(|a| Instant::now() >= a.until) {
-            *o = None;
+        if o.as_ref()
+            .is_some_and(|a| a.kind != OutageKind::Refused && Instant::now() >= a.until)
+        {
+            if let Some(ended) = o.take() {
+                self.log_outage(&ended);
+            }
         }
         o.clone()
+    }
+
+    /// Records an outage that has just ended.
+    fn log_outage(&self, o: &ActiveOutage) {
+        self.outage_log
+            .lock()
+            .expect("outage log lock")
+            .push(o.window());
     }
 
     /// Every request in an outage fails the same way.
@@ -1690,6 +1700,29 @@ mod tests {
         );
         assert_eq!(timestamp_us(&json!(us)), Some(us));
         assert_eq!(timestamp_us(&json!(null)), None);
+    }
+
+    /// An outage whose time is up is over for the next request even when
+    /// the schedule's timer has not fired yet; it must be in the log then.
+    #[tokio::test]
+    async fn an_outage_a_request_finds_over_is_logged_at_once() {
+        let sink = Sink::start(SinkConfig::default()).await.unwrap();
+        let start_us = adversary::now_us();
+        *sink.shared.outage.lock().unwrap() = Some(ActiveOutage {
+            kind: OutageKind::Unauthorized,
+            start_us,
+            until: Instant::now(),
+            until_wall: SystemTime::now(),
+            route: None,
+        });
+        assert!(sink.shared.active_outage().is_none());
+        let log = sink.outages();
+        assert_eq!(log.len(), 1, "{log:?}");
+        assert_eq!(log[0].kind, OutageKind::Unauthorized);
+        assert!(log[0].start_us == start_us && log[0].end_us >= start_us);
+        assert!(sink.shared.active_outage().is_none());
+        assert_eq!(sink.outages().len(), 1, "logged once");
+        sink.stop().await;
     }
 
     #[test]

@@ -110,7 +110,14 @@ fn init_tracing(format: LogFormat) {
     }
 }
 
+#[cfg(feature = "dhat-heap")]
+#[global_allocator]
+static ALLOC: dhat::Alloc = dhat::Alloc;
+
 fn main() -> ExitCode {
+    // Written out when `main` returns (the daemon's ordinary exit).
+    #[cfg(feature = "dhat-heap")]
+    let _profiler = dhat::Profiler::new_heap();
     let cli = Cli::parse();
     init_tracing(cli.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread()

@@ -116,6 +116,47 @@ async fn a_routes_concurrency_is_never_exceeded() {
     assert_no_attempt_spent(&db).await;
 }
 
+/// A full `concurrency` limit is a queue: the rows over it wait in the
+/// publisher for a request slot instead of going back to the database to be
+/// claimed again (which, at a few hundred rows per job, cost an ordered
+/// webhook drain capped at 64 requests in flight five sixths of its speed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_over_a_full_concurrency_limit_queue_for_a_slot_instead_of_being_deferred() {
+    let db = common::test_db().await;
+    let sink = common::start_sink().await;
+    sink.set_webhook_delay(Duration::from_millis(10));
+    // Loaded before the relay starts, so one claim takes them all and
+    // nine find every slot taken.
+    common::insert_typed(&db, "order.placed", "ord", 12).await;
+    // Counts the writes to the outbox: a claim writes nothing, a mark one
+    // write per row, a deferral one more each time.
+    db.client()
+        .await
+        .unwrap()
+        .batch_execute(
+            "CREATE TABLE row_writes (id int8);
+             CREATE FUNCTION count_write() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN INSERT INTO row_writes VALUES (NEW.id); RETURN NULL; END $$;
+             CREATE TRIGGER count_writes AFTER UPDATE ON outbox
+               FOR EACH ROW EXECUTE FUNCTION count_write();",
+        )
+        .await
+        .unwrap();
+    let routes = route(&sink.url(), "order.*", "concurrency = 3");
+    common::run_until_drained(&db, config(&db, &sink.url(), "", &routes), LIMIT).await;
+
+    let load = sink.load("/hook/order.placed");
+    assert_eq!(load.arrivals.len(), 12, "each event sent once");
+    assert!(
+        (1..=3).contains(&load.max_in_flight),
+        "{} in flight (concurrency = 3)",
+        load.max_in_flight
+    );
+    assert_no_attempt_spent(&db).await;
+    let writes = count(&db, "SELECT count(*) FROM row_writes").await;
+    assert_eq!(writes, 12, "one write per row (its mark), no deferral");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ordered_route_keeps_each_keys_order_under_its_limits() {
     let db = common::test_db().await;

@@ -32,6 +32,14 @@ fn every_shipped_scenario_loads_and_configures_the_relay() {
         let routes = 1 + usize::from(s.second_route.is_some());
         assert_eq!(parsed.routes.len(), routes, "{file}");
     }
+    let capped = Scenario::load(&dir().join("drain-ordered-webhook-300k-c64.toml")).unwrap();
+    let relay: outbox_relay::Config =
+        toml::from_str(&relay_config_toml(&capped, 40000, 40001).unwrap()).unwrap();
+    let host = &relay.http.hosts[..];
+    assert_eq!(host.len(), 1, "{host:?}");
+    assert_eq!(host[0].host, "127.0.0.1");
+    assert_eq!(host[0].concurrency.map(|c| c.get()), Some(64));
+    assert!(capped.ordered());
     for file in ["chaos.toml", "chaos-replicas.toml"] {
         let chaos = Scenario::load(&dir().join(file)).unwrap();
         let relay: outbox_relay::Config =

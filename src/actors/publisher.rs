@@ -382,7 +382,10 @@ fn defer_limited(
     let mut put_back = Vec::new();
     for ((row, lease), admission) in rows.into_iter().zip(leases).zip(admissions) {
         let mark = match admission {
-            Admission::Go(ticket) if lease.expires > ticket.at + args.request_timeout => {
+            Admission::Go(mut ticket) if lease.expires > ticket.at + args.request_timeout => {
+                // A row queued for a request slot goes only while its
+                // lease outlasts the request.
+                ticket.by = Some(lease.expires - args.request_timeout);
                 kept.0.push(row);
                 kept.1.push(lease);
                 kept.2.push(ticket);

@@ -15,7 +15,7 @@ use outbox_client::signing::sign;
 
 use super::http::HttpClient;
 use super::limits::Ticket;
-use super::{classify, transport_outcome, DeadReason, Outcome};
+use super::{classify, transport_outcome, DeadReason, Outcome, RetryReason};
 use crate::routes::{BodyShape, Route};
 
 /// POSTs each row to the route's URL, signed; one outcome per row, in order.
@@ -30,8 +30,9 @@ pub async fn deliver(
     deliver_paced(client, route, rows, max_message_bytes, tickets).await
 }
 
-/// [`deliver`], each row sent at its ticket's time and holding the ticket's
-/// request slots until its answer is in ([`super::limits`]).
+/// [`deliver`], each row sent at its ticket's time, once it has the request
+/// slots it queues for, and holding them until its answer is in
+/// ([`super::limits`]).
 pub(crate) async fn deliver_paced(
     client: &HttpClient,
     route: &Route,
@@ -45,21 +46,32 @@ pub(crate) async fn deliver_paced(
         .as_ref()
         .map(|s| s.keys())
         .unwrap_or_default();
-    join_all(rows.iter().zip(tickets).map(|(row, ticket)| async move {
-        // Signed when it goes, so its timestamp is the sending time.
-        tokio::time::sleep_until(ticket.at.into()).await;
-        let request = match signed_request(route, row, keys, max_message_bytes) {
-            Ok(r) => r,
-            Err(outcome) => return outcome,
-        };
-        let result = client.send(request).await;
-        drop(ticket);
-        super::http::record_request("webhook", &result);
-        match result {
-            Ok(response) => classify(&response),
-            Err(e) => transport_outcome(&e),
-        }
-    }))
+    join_all(
+        rows.iter()
+            .zip(tickets)
+            .map(|(row, mut ticket)| async move {
+                // Signed when it goes, so its timestamp is the sending time.
+                tokio::time::sleep_until(ticket.at.into()).await;
+                if let Err(error) = ticket.ready().await {
+                    return Outcome::Retry {
+                        after: None,
+                        reason: RetryReason::Timeout,
+                        error,
+                    };
+                }
+                let request = match signed_request(route, row, keys, max_message_bytes) {
+                    Ok(r) => r,
+                    Err(outcome) => return outcome,
+                };
+                let result = client.send(request).await;
+                drop(ticket);
+                super::http::record_request("webhook", &result);
+                match result {
+                    Ok(response) => classify(&response),
+                    Err(e) => transport_outcome(&e),
+                }
+            }),
+    )
     .await
 }
 

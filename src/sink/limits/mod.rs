@@ -13,8 +13,16 @@
 //!   sent when it comes (the publisher waits at most that long: a short,
 //!   bounded wait keeps a steady stream flowing without a database round
 //!   trip per row);
-//! - a row that cannot go by then (its slot is later, no request slot is
-//!   free, or its host asked us to wait) is deferred without spending an
+//! - a row that finds every request slot taken queues for one in its
+//!   request's own task (the publisher's other rows go on), as long as the
+//!   queue is short enough to be served within about [`MAX_WAIT`] at the
+//!   requests' recent pace (and never less than one slot's worth): a full
+//!   limiter is then a queue, not a database round trip per row. A queued
+//!   row whose slot has not freed by the time its lease would no longer
+//!   outlast the request is not sent: it comes back as a timed-out attempt
+//!   (its destination held every slot for a whole request's time);
+//! - a row that cannot go by then (its slot is later, the slot queue is
+//!   full, or its host asked us to wait) is deferred without spending an
 //!   attempt, like a paused route's rows. Its delay is the next slot
 //!   promised to a deferred row of that limiter, and each deferral moves the
 //!   promise one interval on, so a backlog comes back spread over its future
@@ -32,6 +40,7 @@ mod hosts;
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -51,20 +60,134 @@ pub(crate) const RATE_LIMITED_WAIT: Duration = Duration::from_secs(1);
 /// The period of a webhook route or host with `rate` and no `period`.
 pub const DEFAULT_PERIOD: Duration = Duration::from_secs(1);
 
-/// A row's leave to go: when, and the request slots it holds until its
-/// answer is in (dropping the ticket frees them).
+/// A row's leave to go: when, the request slots it holds until its answer
+/// is in (dropping the ticket frees them), and those it still queues for.
 #[derive(Debug)]
 pub(crate) struct Ticket {
     pub at: Instant,
-    _permits: Vec<OwnedSemaphorePermit>,
+    permits: Vec<(OwnedSemaphorePermit, Arc<Slots>)>,
+    queued: Vec<Queued>,
+    /// The last moment a queued row may still be sent (its lease outlasts
+    /// the request); set by the publisher.
+    pub by: Option<Instant>,
+    /// When its request went, once it has all its slots.
+    sent: Option<Instant>,
 }
 
 impl Ticket {
     pub(crate) fn now() -> Ticket {
         Ticket {
             at: Instant::now(),
-            _permits: Vec::new(),
+            permits: Vec::new(),
+            queued: Vec::new(),
+            by: None,
+            sent: None,
         }
+    }
+
+    /// Whether it still waits for a request slot.
+    #[cfg(test)]
+    pub(crate) fn queued(&self) -> bool {
+        !self.queued.is_empty()
+    }
+
+    /// Takes the slots it queues for, in the limiters' order; the error
+    /// names the limiter whose slot did not free by [`Ticket::by`].
+    pub(crate) async fn ready(&mut self) -> Result<(), String> {
+        for q in std::mem::take(&mut self.queued) {
+            let acquire = Arc::clone(&q.slots.semaphore).acquire_owned();
+            let permit = match self.by {
+                Some(by) => tokio::time::timeout_at(by.into(), acquire)
+                    .await
+                    .map_err(|_| {
+                        format!(
+                            "{} had all {} request slots taken (concurrency) until this row's lease no longer outlasted a request: not sent",
+                            q.name, q.slots.max
+                        )
+                    })?,
+                None => acquire.await,
+            }
+            .expect("limiter semaphores are never closed");
+            self.permits.push((permit, Arc::clone(&q.slots)));
+        }
+        if !self.permits.is_empty() {
+            self.sent = Some(Instant::now());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Ticket {
+    /// A request that went tells its limiters how long requests take.
+    fn drop(&mut self) {
+        if let Some(sent) = self.sent {
+            let took = sent.elapsed();
+            for (_, slots) in &self.permits {
+                slots.took(took);
+            }
+        }
+    }
+}
+
+/// A limiter's request slots (`concurrency`).
+#[derive(Debug)]
+struct Slots {
+    max: u32,
+    semaphore: Arc<Semaphore>,
+    /// Rows queued for a slot now.
+    waiting: AtomicUsize,
+    /// How long one request took lately, µs (a moving average).
+    request_us: AtomicU64,
+}
+
+impl Slots {
+    fn new(max: u32) -> Slots {
+        Slots {
+            max,
+            semaphore: Arc::new(Semaphore::new(max as usize)),
+            waiting: AtomicUsize::new(0),
+            // A guess until the first answers are in.
+            request_us: AtomicU64::new(10_000),
+        }
+    }
+
+    /// How many rows may queue: as many as the slots serve within
+    /// [`MAX_WAIT`] at the recent pace, and never fewer than the slots.
+    fn queue_room(&self) -> usize {
+        let per_request = self.request_us.load(Ordering::Relaxed).max(1);
+        let rounds = (MAX_WAIT.as_micros() as u64 / per_request).max(1);
+        (self.max as u64).saturating_mul(rounds) as usize
+    }
+
+    fn took(&self, took: Duration) {
+        let us = took.as_micros().min(u64::MAX as u128) as u64;
+        // Racing updates may lose one sample; the estimate stays close.
+        let old = self.request_us.load(Ordering::Relaxed);
+        self.request_us.store((old * 3 + us) / 4, Ordering::Relaxed);
+    }
+}
+
+/// A row's place in a limiter's slot queue (it leaves the queue when it is
+/// dropped, with its slot or without).
+#[derive(Debug)]
+struct Queued {
+    name: String,
+    slots: Arc<Slots>,
+}
+
+impl Queued {
+    fn join(name: &str, slots: &Arc<Slots>) -> Queued {
+        slots.waiting.fetch_add(1, Ordering::Relaxed);
+        Queued {
+            name: name.to_owned(),
+            slots: Arc::clone(slots),
+        }
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        self.slots.waiting.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -94,7 +217,7 @@ struct Limiter {
     /// `route "x"` or `host "h"`, for the deferred rows' `last_error`.
     name: String,
     interval: Option<Duration>,
-    slots: Option<(u32, Arc<Semaphore>)>,
+    slots: Option<Arc<Slots>>,
     pace: Mutex<Pace>,
 }
 
@@ -109,7 +232,7 @@ impl Limiter {
         Limiter {
             name,
             interval: rate.map(|r| period.unwrap_or(DEFAULT_PERIOD) / r.get()),
-            slots: concurrency.map(|c| (c.get(), Arc::new(Semaphore::new(c.get() as usize)))),
+            slots: concurrency.map(|c| Arc::new(Slots::new(c.get()))),
             pace: Mutex::new(Pace {
                 next: now,
                 promised: now,
@@ -321,10 +444,7 @@ impl Limits {
 /// Admits one row under every limiter it falls under (its route's, its host's).
 fn admit_one(limiters: &[&Limiter], now: Instant) -> Admission {
     if limiters.is_empty() {
-        return Admission::Go(Ticket {
-            at: now,
-            _permits: Vec::new(),
-        });
+        return Admission::Go(Ticket::now());
     }
     // Always the route's before the host's: one lock order.
     let mut paces: Vec<_> = limiters
@@ -346,23 +466,34 @@ fn admit_one(limiters: &[&Limiter], now: Instant) -> Admission {
         }
     }
     let mut permits = Vec::new();
+    let mut queued = Vec::new();
     for (l, pace) in limiters.iter().zip(paces.iter_mut()) {
-        if let Some((max, slots)) = &l.slots {
-            match Arc::clone(slots).try_acquire_owned() {
-                Ok(p) => permits.push(p),
-                Err(_) => {
-                    // A slot frees about one request's time from now; each
-                    // row deferred so far waits its share more.
-                    let step = (pace.latency / *max).max(Duration::from_millis(5));
-                    let freed = now + pace.latency;
-                    let delay = l.promise(pace, now, freed, step);
-                    return Admission::Wait {
-                        delay,
-                        error: format!("{} has {max} requests in flight (concurrency): deferred (not an attempt)", l.name),
-                    };
-                }
+        let Some(slots) = &l.slots else { continue };
+        // Once a row queues, it queues for each later limiter's slot too:
+        // every row takes its slots in one order.
+        if queued.is_empty() {
+            if let Ok(p) = Arc::clone(&slots.semaphore).try_acquire_owned() {
+                permits.push((p, Arc::clone(slots)));
+                continue;
             }
         }
+        if slots.waiting.load(Ordering::Relaxed) < slots.queue_room() {
+            queued.push(Queued::join(&l.name, slots));
+            continue;
+        }
+        // A slot frees about one request's time from now; each row
+        // deferred so far waits its share more.
+        let max = slots.max;
+        let step = (pace.latency / max).max(Duration::from_millis(5));
+        let freed = now + pace.latency;
+        let delay = l.promise(pace, now, freed, step);
+        return Admission::Wait {
+            delay,
+            error: format!(
+                "{} has {max} requests in flight and its queue for them is full (concurrency): deferred (not an attempt)",
+                l.name
+            ),
+        };
     }
     let slot = paces.iter().map(|p| p.next.max(now)).max().unwrap_or(now);
     if slot > now + MAX_WAIT {
@@ -384,7 +515,10 @@ fn admit_one(limiters: &[&Limiter], now: Instant) -> Admission {
     }
     Admission::Go(Ticket {
         at: slot,
-        _permits: permits,
+        permits,
+        queued,
+        by: None,
+        sent: None,
     })
 }
 

@@ -35,18 +35,73 @@ fn sends_are_paced_and_the_rest_spread_over_later_slots() {
     );
 }
 
-#[test]
-fn a_row_without_a_request_slot_is_deferred() {
+#[tokio::test]
+async fn a_row_without_a_request_slot_queues_for_one_until_the_queue_is_full() {
     let l = limiter(1000, Some(1));
     let now = Instant::now();
-    let first = admit_one(&[&l], now);
-    assert!(matches!(first, Admission::Go(_)));
-    assert!(matches!(admit_one(&[&l], now), Admission::Wait { .. }));
+    let Admission::Go(first) = admit_one(&[&l], now) else {
+        panic!("the free slot")
+    };
+    assert!(!first.queued());
+    // At the first guess of 10 ms a request, 250 ms serve 25 queued rows.
+    let mut queued = Vec::new();
+    for i in 0..25 {
+        match admit_one(&[&l], now) {
+            Admission::Go(t) => {
+                assert!(t.queued(), "row {i} queues");
+                queued.push(t);
+            }
+            Admission::Wait { .. } => panic!("row {i} deferred with room in the queue"),
+        }
+    }
+    let full = admit_one(&[&l], now);
+    assert!(
+        matches!(&full, Admission::Wait { error, .. } if error.contains("queue for them is full")),
+        "{full:?}"
+    );
+    // The slot goes to the first in the queue when it frees; the next waits.
+    let mut second = queued.remove(0);
+    let mut third = queued.remove(0);
+    let waiting = tokio::spawn(async move {
+        second.ready().await.unwrap();
+        second
+    });
+    tokio::task::yield_now().await;
+    assert!(!waiting.is_finished(), "no slot yet");
     drop(first);
-    assert!(matches!(
-        admit_one(&[&l], now + Duration::from_secs(1)),
-        Admission::Go(_)
-    ));
+    let second = waiting.await.unwrap();
+    assert!(!second.queued());
+    third.by = Some(Instant::now() + Duration::from_millis(50));
+    let err = third.ready().await.unwrap_err();
+    assert!(
+        err.contains("route `r`") && err.contains("not sent"),
+        "{err}"
+    );
+    // Leaving the queue (sent or not) makes room for another row.
+    drop(third);
+    drop(queued);
+    assert!(matches!(admit_one(&[&l], now), Admission::Go(t) if t.queued()));
+}
+
+#[tokio::test]
+async fn a_row_queued_on_two_limiters_goes_once_both_free() {
+    // A row queued on its route's limiter queues on the host's too (one
+    // order for every row), and goes once both free.
+    let route = limiter(1000, Some(1));
+    let host = limiter(1000, Some(1));
+    let now = Instant::now();
+    let Admission::Go(holder) = admit_one(&[&route, &host], now) else {
+        panic!("free slots")
+    };
+    let Admission::Go(mut next) = admit_one(&[&route, &host], now) else {
+        panic!("queued")
+    };
+    assert_eq!(next.queued.len(), 2);
+    next.by = Some(Instant::now() + Duration::from_secs(5));
+    let go = tokio::spawn(async move { next.ready().await });
+    tokio::task::yield_now().await;
+    drop(holder);
+    go.await.unwrap().unwrap();
 }
 
 const SECOND: Duration = Duration::from_secs(1);

@@ -72,6 +72,15 @@ fn assert_paced(
     );
 }
 
+/// Some request was in flight, and never more than `concurrency` at once.
+fn assert_in_flight_within(load: &DestinationLoad, concurrency: u32) {
+    assert!(
+        (1..=concurrency).contains(&load.max_in_flight),
+        "{} in flight (concurrency = {concurrency})",
+        load.max_in_flight
+    );
+}
+
 fn merged(loads: &[DestinationLoad]) -> DestinationLoad {
     let mut arrivals: Vec<Instant> = loads.iter().flat_map(|l| l.arrivals.clone()).collect();
     arrivals.sort();
@@ -108,11 +117,7 @@ async fn a_routes_concurrency_is_never_exceeded() {
 
     let load = sink.load("/hook/order.placed");
     assert_eq!(load.arrivals.len(), 24, "each event sent once");
-    assert!(
-        (1..=2).contains(&load.max_in_flight),
-        "{} in flight (concurrency = 2)",
-        load.max_in_flight
-    );
+    assert_in_flight_within(&load, 2);
     assert_no_attempt_spent(&db).await;
 }
 
@@ -147,11 +152,7 @@ async fn rows_over_a_full_concurrency_limit_queue_for_a_slot_instead_of_being_de
 
     let load = sink.load("/hook/order.placed");
     assert_eq!(load.arrivals.len(), 12, "each event sent once");
-    assert!(
-        (1..=3).contains(&load.max_in_flight),
-        "{} in flight (concurrency = 3)",
-        load.max_in_flight
-    );
+    assert_in_flight_within(&load, 3);
     assert_no_attempt_spent(&db).await;
     let writes = count(&db, "SELECT count(*) FROM row_writes").await;
     assert_eq!(writes, 12, "one write per row (its mark), no deferral");

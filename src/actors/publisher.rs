@@ -230,9 +230,7 @@ async fn publish(state: &mut PublisherState, job: Job) {
     let (outcomes, paused) = match breaker.admit(now) {
         Admit::Send => {
             let outcomes = args.sinks.deliver(route, &rows, tickets).await;
-            args.sinks
-                .limits
-                .record(route, &rows, &outcomes, sent.elapsed());
+            args.sinks.limits.record(route, &rows, &outcomes);
             let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
             let paused = breaker.record(&outcomes, &ids, sent, Instant::now());
             (Some(outcomes), paused)

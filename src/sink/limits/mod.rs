@@ -159,6 +159,18 @@ impl Slots {
         (self.max as u64).saturating_mul(rounds) as usize
     }
 
+    /// How long one request took lately.
+    fn request_time(&self) -> Duration {
+        Duration::from_micros(self.request_us.load(Ordering::Relaxed))
+    }
+
+    /// About how long the rows queued now take to get their slots, and one
+    /// request more.
+    fn drain_time(&self) -> Duration {
+        let rounds = self.waiting.load(Ordering::Relaxed) as u32 / self.max + 1;
+        self.request_time() * rounds
+    }
+
     fn took(&self, took: Duration) {
         let us = took.as_micros().min(u64::MAX as u128) as u64;
         // Racing updates may lose one sample; the estimate stays close.
@@ -208,8 +220,6 @@ struct Pace {
     promised: Instant,
     /// The destination asked us to wait until then (a `429`).
     blocked: Option<Instant>,
-    /// How long requests took lately: when a request slot may free.
-    latency: Duration,
 }
 
 #[derive(Debug)]
@@ -237,7 +247,6 @@ impl Limiter {
                 next: now,
                 promised: now,
                 blocked: None,
-                latency: Duration::from_millis(100),
             }),
         }
     }
@@ -274,12 +283,6 @@ impl Limiter {
             pace.blocked = Some(until);
         }
         longer
-    }
-
-    /// A request took `took`: the estimate of when a request slot frees.
-    fn took(&self, took: Duration) {
-        let mut pace = self.pace();
-        pace.latency = (pace.latency * 3 + took) / 4;
     }
 }
 
@@ -389,23 +392,13 @@ impl Limits {
     }
 
     /// Takes what a delivery found out: a `429` makes its destination wait
-    /// (as long as it asked, else [`RATE_LIMITED_WAIT`]); each request's
-    /// time tells when request slots free.
-    pub(crate) fn record(
-        &self,
-        route: &Route,
-        rows: &[OutboxRow],
-        outcomes: &[Outcome],
-        took: Duration,
-    ) {
+    /// (as long as it asked, else [`RATE_LIMITED_WAIT`]). (How long requests
+    /// take, which tells when request slots free, each ticket reports.)
+    pub(crate) fn record(&self, route: &Route, rows: &[OutboxRow], outcomes: &[Outcome]) {
         if route.config.sink != SinkKind::Webhook {
             return;
         }
         let now = Instant::now();
-        let own = self.routes.get(route.index).and_then(Option::as_ref);
-        if let Some(l) = own {
-            l.took(took);
-        }
         let rate_limited = outcomes.iter().any(|o| {
             matches!(
                 o,
@@ -415,8 +408,7 @@ impl Limits {
                 }
             )
         });
-        if !rate_limited && self.configured.is_empty() && self.nothing_blocked(now) {
-            // No host limiter to tell the requests' time, no 429 to keep.
+        if !rate_limited {
             return;
         }
         for (row, outcome) in rows.iter().zip(outcomes) {
@@ -434,9 +426,6 @@ impl Limits {
                     tracing::info!(destination = %to, ?wait, "the destination answered 429: every route's requests to it wait");
                 }
             }
-            if let Some(l) = self.host(&to) {
-                l.took(took);
-            }
         }
     }
 }
@@ -444,7 +433,9 @@ impl Limits {
 /// Admits one row under every limiter it falls under (its route's, its host's).
 fn admit_one(limiters: &[&Limiter], now: Instant) -> Admission {
     if limiters.is_empty() {
-        return Admission::Go(Ticket::now());
+        let mut ticket = Ticket::now();
+        ticket.at = now;
+        return Admission::Go(ticket);
     }
     // Always the route's before the host's: one lock order.
     let mut paces: Vec<_> = limiters
@@ -481,11 +472,11 @@ fn admit_one(limiters: &[&Limiter], now: Instant) -> Admission {
             queued.push(Queued::join(&l.name, slots));
             continue;
         }
-        // A slot frees about one request's time from now; each row
-        // deferred so far waits its share more.
+        // Come back about when the queue has drained; each row deferred so
+        // far waits one slot's share more.
         let max = slots.max;
-        let step = (pace.latency / max).max(Duration::from_millis(5));
-        let freed = now + pace.latency;
+        let step = (slots.request_time() / max).max(Duration::from_millis(5));
+        let freed = now + slots.drain_time();
         let delay = l.promise(pace, now, freed, step);
         return Admission::Wait {
             delay,

@@ -90,6 +90,10 @@ impl BaselineReport {
                 "relay peak RSS",
                 format!("{:.1} MiB", self.usage.peak_rss_kib as f64 / 1024.0),
             ),
+            (
+                "relay peak anonymous RSS",
+                format!("{:.1} MiB", self.usage.peak_anon_kib as f64 / 1024.0),
+            ),
             ("database server", self.environment.server.describe()),
             (
                 "sink",

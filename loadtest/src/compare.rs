@@ -90,6 +90,10 @@ pub struct RunFigures {
     pub relay_cpu_secs: f64,
     pub cpu_secs_per_million: f64,
     pub peak_rss_mib: f64,
+    /// The largest anonymous resident set sampled (heap and stacks, without
+    /// the binary's pages).
+    #[serde(default)]
+    pub peak_anon_mib: f64,
     /// Commit-to-sink latency (outbox-relay runs only).
     pub p50_ms: Option<f64>,
     pub p99_ms: Option<f64>,
@@ -176,6 +180,7 @@ pub async fn run(scenarios: &[Scenario], opts: &CompareOptions) -> Result<Compar
                                     r.published.max(0) as u64,
                                 ),
                                 peak_rss_mib: r.usage.peak_rss_kib as f64 / 1024.0,
+                                peak_anon_mib: r.usage.peak_anon_kib as f64 / 1024.0,
                                 p50_ms: None,
                                 p99_ms: None,
                                 max_ms: None,
@@ -202,6 +207,7 @@ pub async fn run(scenarios: &[Scenario], opts: &CompareOptions) -> Result<Compar
                             relay_cpu_secs: r.relay.cpu_secs,
                             cpu_secs_per_million: per_million(r.relay.cpu_secs, r.delivered),
                             peak_rss_mib: r.relay.peak_rss_kib as f64 / 1024.0,
+                            peak_anon_mib: r.relay.peak_anon_kib as f64 / 1024.0,
                             p50_ms: ms(r.latency.p50_us),
                             p99_ms: ms(r.latency.p99_us),
                             max_ms: ms(r.latency.max_us),
@@ -211,13 +217,14 @@ pub async fn run(scenarios: &[Scenario], opts: &CompareOptions) -> Result<Compar
                     }
                 };
                 eprintln!(
-                    "[{}] round {} {}: {:.0} events/s, {:.2} s CPU per 1M events, {:.1} MiB peak RSS{}",
+                    "[{}] round {} {}: {:.0} events/s, {:.2} s CPU per 1M events, {:.1} MiB peak RSS ({:.1} MiB anonymous){}",
                     s.name,
                     round + 1,
                     c.name,
                     figures.events_per_sec,
                     figures.cpu_secs_per_million,
                     figures.peak_rss_mib,
+                    figures.peak_anon_mib,
                     if figures.passed { "" } else { " (FAILED)" }
                 );
                 all.runs.push(figures);
@@ -284,11 +291,11 @@ impl Comparison {
             let _ = writeln!(md, "## {s}\n");
             let _ = writeln!(
                 md,
-                "| round | relay | result | events | events/s | relay CPU s | CPU s / 1M events | peak RSS MiB | p50 ms | p99 ms | max ms | load 1m before→after | busy cores | other processes' CPU |"
+                "| round | relay | result | events | events/s | relay CPU s | CPU s / 1M events | peak RSS MiB | of it anonymous | p50 ms | p99 ms | max ms | load 1m before→after | busy cores | other processes' CPU |"
             );
             let _ = writeln!(
                 md,
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
             );
             for r in self.runs.iter().filter(|r| r.scenario == s) {
                 let opt = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.1}"));
@@ -301,7 +308,7 @@ impl Comparison {
                     .collect();
                 let _ = writeln!(
                     md,
-                    "| {} | {} | {} | {} | {:.0} | {:.2} | {:.2} | {:.1} | {} | {} | {} | {:.2}→{:.2} | {:.2} of {} | {} |",
+                    "| {} | {} | {} | {} | {:.0} | {:.2} | {:.2} | {:.1} | {:.1} | {} | {} | {} | {:.2}→{:.2} | {:.2} of {} | {} |",
                     r.round,
                     r.relay,
                     if r.passed { "pass" } else { "FAIL" },
@@ -310,6 +317,7 @@ impl Comparison {
                     r.relay_cpu_secs,
                     r.cpu_secs_per_million,
                     r.peak_rss_mib,
+                    r.peak_anon_mib,
                     opt(r.p50_ms),
                     opt(r.p99_ms),
                     opt(r.max_ms),
@@ -329,15 +337,16 @@ impl Comparison {
             let has_seed = relays.contains(&"seed");
             let _ = writeln!(
                 md,
-                "\n| relay | events/s (rounds) | × seed, same round | × {b}, same round | CPU s / 1M events | CPU per event × {b} | peak RSS MiB | p99 ms |",
+                "\n| relay | events/s (rounds) | × seed, same round | × {b}, same round | CPU s / 1M events | CPU per event × {b} | peak RSS MiB | of it anonymous | p99 ms |",
                 b = before.unwrap_or("before")
             );
-            let _ = writeln!(md, "|---|---|---|---|---|---|---|---|");
+            let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|");
             for relay in &relays {
                 let runs: Vec<&RunFigures> = self.of(s, relay).collect();
                 let eps: Vec<f64> = runs.iter().map(|r| r.events_per_sec).collect();
                 let cpu: Vec<f64> = runs.iter().map(|r| r.cpu_secs_per_million).collect();
                 let rss: Vec<f64> = runs.iter().map(|r| r.peak_rss_mib).collect();
+                let anon: Vec<f64> = runs.iter().map(|r| r.peak_anon_mib).collect();
                 let p99: Vec<f64> = runs.iter().filter_map(|r| r.p99_ms).collect();
                 let x_seed = if has_seed && *relay != "seed" {
                     self.ratio(s, relay, "seed", |r| r.events_per_sec)
@@ -353,10 +362,11 @@ impl Comparison {
                 };
                 let _ = writeln!(
                     md,
-                    "| {relay} | {} | {x_seed} | {x_before} | {} | {cpu_before} | {} | {} |",
+                    "| {relay} | {} | {x_seed} | {x_before} | {} | {cpu_before} | {} | {} | {} |",
                     span(&eps, "", 0),
                     span(&cpu, "", 2),
                     span(&rss, "", 1),
+                    span(&anon, "", 1),
                     span(&p99, "", 1),
                 );
             }
@@ -364,7 +374,7 @@ impl Comparison {
                 let e = &first.environment;
                 let _ = writeln!(
                     md,
-                    "\nDatabase server: {}. Sink: {}.\n",
+                    "\nDatabase server: {}. Sink: {}. Peak RSS is the kernel's high-water mark; \"of it anonymous\" is the largest resident anonymous memory sampled (heap and stacks), the rest being file pages, mostly the binary's code.\n",
                     e.server.describe(),
                     if e.sink_own_process {
                         "a process of its own (`loadtest sink`), a fresh one per run"
@@ -462,6 +472,7 @@ mod tests {
             relay_cpu_secs: 1.0,
             cpu_secs_per_million: eps / 100.0,
             peak_rss_mib: 10.0,
+            peak_anon_mib: 4.0,
             p50_ms: None,
             p99_ms: None,
             max_ms: None,
@@ -489,6 +500,10 @@ mod tests {
         let md = c.markdown(Some("old"), "loadtest compare ...");
         assert!(
             md.contains("| new | 2000–3000 | 15.00–20.00× | 2.00–3.00× |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| 20.00–30.00 | 2.00–3.00× | 10.0 | 4.0 | - |"),
             "{md}"
         );
     }

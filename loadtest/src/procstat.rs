@@ -14,6 +14,9 @@ pub struct ProcSample {
     pub peak_rss_kib: u64,
     /// `VmRSS`: current resident set, KiB.
     pub rss_kib: u64,
+    /// `RssAnon`: the resident anonymous memory (heap, stacks), KiB; the rest
+    /// of the resident set is file pages, mostly the binary's own code.
+    pub anon_kib: u64,
 }
 
 /// Clock ticks per second (`sysconf(_SC_CLK_TCK)`).
@@ -54,6 +57,7 @@ pub fn read_proc(pid: u32) -> std::io::Result<ProcSample> {
         cpu_ticks: parse_stat_cpu_ticks(&stat).ok_or_else(bad)?,
         peak_rss_kib: parse_status_kib(&status, "VmHWM").unwrap_or(0),
         rss_kib: parse_status_kib(&status, "VmRSS").unwrap_or(0),
+        anon_kib: parse_status_kib(&status, "RssAnon").unwrap_or(0),
     })
 }
 
@@ -62,6 +66,10 @@ pub fn read_proc(pid: u32) -> std::io::Result<ProcSample> {
 pub struct RelayUsage {
     pub cpu_secs: f64,
     pub peak_rss_kib: u64,
+    /// The largest `RssAnon` sampled: the relay's own memory without the pages
+    /// of its binary (a sampled peak, so it can miss a short spike).
+    #[serde(default)]
+    pub peak_anon_kib: u64,
     /// Relay processes seen (1 + restarts).
     pub processes: u32,
     pub samples: u64,
@@ -81,6 +89,7 @@ impl UsageTracker {
         entry.cpu_ticks = entry.cpu_ticks.max(sample.cpu_ticks);
         entry.peak_rss_kib = entry.peak_rss_kib.max(sample.peak_rss_kib);
         entry.rss_kib = sample.rss_kib;
+        entry.anon_kib = entry.anon_kib.max(sample.anon_kib);
     }
 
     /// Reads `pid` now; a process that is gone is ignored.
@@ -100,6 +109,7 @@ impl UsageTracker {
                 .map(|s| s.peak_rss_kib)
                 .max()
                 .unwrap_or(0),
+            peak_anon_kib: self.last.values().map(|s| s.anon_kib).max().unwrap_or(0),
             processes: self.last.len() as u32,
             samples: self.samples,
         }
@@ -129,6 +139,7 @@ mod tests {
     fn reads_this_process_and_sums_restarts() {
         let me = read_proc(std::process::id()).unwrap();
         assert!(me.peak_rss_kib > 0 && me.rss_kib > 0);
+        assert!(me.anon_kib > 0 && me.anon_kib <= me.rss_kib);
         let mut t = UsageTracker::default();
         let tck = clock_ticks_per_sec();
         t.record(
@@ -137,6 +148,7 @@ mod tests {
                 cpu_ticks: tck,
                 peak_rss_kib: 10,
                 rss_kib: 5,
+                anon_kib: 4,
             },
         );
         t.record(
@@ -145,6 +157,7 @@ mod tests {
                 cpu_ticks: 2 * tck,
                 peak_rss_kib: 30,
                 rss_kib: 5,
+                anon_kib: 3,
             },
         );
         t.record(
@@ -153,12 +166,19 @@ mod tests {
                 cpu_ticks: tck,
                 peak_rss_kib: 20,
                 rss_kib: 5,
+                anon_kib: 2,
             },
         );
         let u = t.usage();
         assert_eq!(
-            (u.cpu_secs, u.peak_rss_kib, u.processes, u.samples),
-            (3.0, 30, 2, 3)
+            (
+                u.cpu_secs,
+                u.peak_rss_kib,
+                u.peak_anon_kib,
+                u.processes,
+                u.samples
+            ),
+            (3.0, 30, 4, 2, 3)
         );
     }
 }

@@ -580,6 +580,13 @@ impl Report {
                 "relay peak RSS",
                 format!("{:.1} MiB", self.relay.peak_rss_kib as f64 / 1024.0),
             ),
+            (
+                "relay peak anonymous RSS",
+                format!(
+                    "{:.1} MiB (heap and stacks, sampled; the rest is file pages, mostly the binary's code)",
+                    self.relay.peak_anon_kib as f64 / 1024.0
+                ),
+            ),
             ("relay processes", self.relay.processes.to_string()),
             ("outbox dead tuples", self.db.outbox_dead_tuples.to_string()),
             ("retries", self.db.retries.to_string()),

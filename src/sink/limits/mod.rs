@@ -76,8 +76,13 @@ pub(crate) struct Ticket {
 
 impl Ticket {
     pub(crate) fn now() -> Ticket {
+        Ticket::at(Instant::now())
+    }
+
+    /// Leave to go at `at`, holding and queuing for no request slot.
+    fn at(at: Instant) -> Ticket {
         Ticket {
-            at: Instant::now(),
+            at,
             permits: Vec::new(),
             queued: Vec::new(),
             by: None,
@@ -392,8 +397,8 @@ impl Limits {
     }
 
     /// Takes what a delivery found out: a `429` makes its destination wait
-    /// (as long as it asked, else [`RATE_LIMITED_WAIT`]). (How long requests
-    /// take, which tells when request slots free, each ticket reports.)
+    /// (as long as it asked, else [`RATE_LIMITED_WAIT`]). How long requests
+    /// take, which tells when request slots free, each ticket reports itself.
     pub(crate) fn record(&self, route: &Route, rows: &[OutboxRow], outcomes: &[Outcome]) {
         if route.config.sink != SinkKind::Webhook {
             return;
@@ -433,9 +438,7 @@ impl Limits {
 /// Admits one row under every limiter it falls under (its route's, its host's).
 fn admit_one(limiters: &[&Limiter], now: Instant) -> Admission {
     if limiters.is_empty() {
-        let mut ticket = Ticket::now();
-        ticket.at = now;
-        return Admission::Go(ticket);
+        return Admission::Go(Ticket::at(now));
     }
     // Always the route's before the host's: one lock order.
     let mut paces: Vec<_> = limiters

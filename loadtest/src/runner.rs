@@ -51,7 +51,7 @@ use crate::sink_process::{RunSink, SinkProcess, SinkResult};
 use crate::verify::{load_rows, verify, verify_rows, VerifyOptions};
 use outbox_testkit::proxy::Proxy;
 use outbox_testkit::relay::{Output, RelayCommand, RelayError, RelayProcess, RelayProgram};
-use outbox_testkit::sink::{check_order, Destination, Sink, SinkConfig};
+use outbox_testkit::sink::{check_order, undelivered, Destination, Sink, SinkConfig};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
@@ -779,7 +779,17 @@ async fn run_on(s: &Scenario, opts: &RunOptions, db: &RunDatabase) -> Result<Rep
                     humantime::format_duration(spec.settle_timeout)
                 ));
             }
-            let checked = check_order(&dest.calls(), s.ordered().then_some(1));
+            let calls = dest.calls();
+            let gaps = undelivered(&sink.records(), &sink.deliveries(), &calls);
+            if gaps.missing > 0 {
+                failures.push(format!(
+                    "{} of {} accepted events never reached the destination with a 2xx: {}",
+                    gaps.missing,
+                    gaps.accepted,
+                    gaps.examples.join("; ")
+                ));
+            }
+            let checked = check_order(&calls, s.ordered().then_some(1));
             if s.ordered() && spec.check_order && checked.out_of_order > 0 {
                 failures.push(format!(
                     "{} events reached the destination out of order in {} keys: {}",

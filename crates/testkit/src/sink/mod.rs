@@ -65,6 +65,7 @@ pub mod faults;
 pub mod load;
 pub mod rules;
 pub mod signing;
+pub mod undelivered;
 
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
@@ -102,6 +103,7 @@ pub use load::DestinationLoad;
 use rules::Rules;
 pub use rules::{RawAnswer, Received, Reply};
 pub use signing::{DEV_CURRENT_SIGNING_KEY, DEV_NEXT_SIGNING_KEY, DEV_TOKEN};
+pub use undelivered::{undelivered, Undelivered};
 
 /// Header carrying the outbox row id (the relay forwards `x-outbox-id`).
 pub const OUTBOX_ID_HEADER: &str = "upstash-forward-x-outbox-id";

@@ -435,7 +435,10 @@ const ORDERED_WITH_CALLBACK: &str = r#"ordering = "partition_key"
     callback = "https://relay.example.com/qstash/callback""#;
 
 /// Every value of header `name` (lower case) in a QStash message's headers.
-fn header_values<'a>(headers: &'a [(String, String)], name: &str) -> Vec<&'a str> {
+fn header_values<'a>(
+    headers: &'a [(std::borrow::Cow<'static, str>, String)],
+    name: &str,
+) -> Vec<&'a str> {
     headers
         .iter()
         .filter(|(k, _)| k == name)

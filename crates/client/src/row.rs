@@ -32,7 +32,7 @@ impl OutboxRow {
     pub fn envelope(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.payload.len() + 256);
         out.extend_from_slice(b"{\"id\":\"");
-        out.extend_from_slice(self.id.to_string().as_bytes());
+        out.extend_from_slice(itoa::Buffer::new().format(self.id).as_bytes());
         out.extend_from_slice(b"\",\"type\":");
         push_json_str(&mut out, &self.event_type);
         out.extend_from_slice(b",\"aggregateType\":");
@@ -40,7 +40,13 @@ impl OutboxRow {
         out.extend_from_slice(b",\"aggregateId\":");
         push_json_str(&mut out, &self.aggregate_id);
         out.extend_from_slice(b",\"tenantId\":\"");
-        out.extend_from_slice(self.tenant_id.hyphenated().to_string().as_bytes());
+        let mut uuid = [0; uuid::fmt::Hyphenated::LENGTH];
+        out.extend_from_slice(
+            self.tenant_id
+                .hyphenated()
+                .encode_lower(&mut uuid)
+                .as_bytes(),
+        );
         out.extend_from_slice(b"\",\"partitionKey\":");
         push_json_str(&mut out, &self.partition_key);
         out.extend_from_slice(b",\"payload\":");

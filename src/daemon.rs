@@ -135,6 +135,7 @@ fn export_metrics_at_zero(config: &Config) {
         defer_causes: &crate::actors::marker::DeferCause::ALL.map(|c| c.as_str()),
         callback_outcomes: &callback::CALLBACK_OUTCOMES,
         handover_kinds: &crate::actors::coordinator::HANDOVER_KINDS,
+        key_claim_kinds: &crate::actors::claim_plan::KEY_CLAIM_KINDS,
         actors: &crate::actors::supervisor::Child::LABELS,
         sinks: &crate::sink::http::SINK_LABELS,
     });

@@ -78,7 +78,7 @@ fn metric_names_follow_prometheus_conventions() {
         .iter()
         .filter(|n| n.ends_with("_total"))
         .collect();
-    assert_eq!(counters.len(), 12);
+    assert_eq!(counters.len(), 13);
     for h in HISTOGRAMS {
         assert!(METRIC_NAMES.contains(h));
         assert!(!h.ends_with("_total"));

@@ -142,6 +142,7 @@ impl Actor for Claimer {
             plan: ClaimPlan::new(
                 Arc::clone(&args.cx.settings.routes),
                 args.cx.settings.tenants.clone(),
+                args.cx.settings.poll_interval,
             ),
             poll: PollSchedule::new(
                 args.cx.settings.poll_interval,
@@ -182,6 +183,7 @@ impl Actor for Claimer {
                 claim_and_dispatch(&myself, state).await;
             }
             ClaimerMsg::DueAt(at) => {
+                state.plan.due_at(at);
                 let now = Instant::now();
                 if state.poll.due_at(at) && state.next_poll.is_some_and(|next| at < next) {
                     claim_later(&myself, state, at.saturating_duration_since(now));

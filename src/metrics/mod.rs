@@ -17,6 +17,7 @@ pub(crate) const PUBLISHED: &str = names::EVENTS_PUBLISHED_TOTAL;
 pub(crate) const RETRIED: &str = names::EVENTS_RETRIED_TOTAL;
 pub(crate) const DEAD_LETTERED: &str = names::EVENTS_DEAD_LETTERED_TOTAL;
 pub(crate) const CLAIMS: &str = names::CLAIMS_TOTAL;
+pub(crate) const KEY_CLAIMS: &str = names::KEY_CLAIMS_TOTAL;
 pub(crate) const ACTOR_RESTARTS: &str = names::ACTOR_RESTARTS_TOTAL;
 pub(crate) const MARKS_FENCED: &str = names::MARKS_FENCED_TOTAL;
 pub(crate) const SHARD_HANDOVERS: &str = names::SHARD_HANDOVERS_TOTAL;
@@ -84,6 +85,10 @@ fn describe() {
     describe_counter!(RETRIED, "Delivery attempts that failed and will be retried");
     describe_counter!(DEAD_LETTERED, "Events dead-lettered, by route and reason");
     describe_counter!(CLAIMS, "Claim statements run");
+    describe_counter!(
+        KEY_CLAIMS,
+        "Ordered routes' key-head claims, by kind: a walk of every key or a recheck of the keys that changed"
+    );
     describe_counter!(
         ACTOR_RESTARTS,
         "Actors restarted by the supervisor, by actor"

@@ -8,6 +8,7 @@ pub const METRIC_NAMES: &[&str] = &[
     EVENTS_RETRIED_TOTAL,
     EVENTS_DEAD_LETTERED_TOTAL,
     CLAIMS_TOTAL,
+    KEY_CLAIMS_TOTAL,
     ACTOR_RESTARTS_TOTAL,
     MARKS_FENCED_TOTAL,
     SHARD_HANDOVERS_TOTAL,
@@ -42,6 +43,8 @@ pub const EVENTS_RETRIED_TOTAL: &str = "outbox_relay_events_retried_total";
 pub const EVENTS_DEAD_LETTERED_TOTAL: &str = "outbox_relay_events_dead_lettered_total";
 /// Counter: claim statements run.
 pub const CLAIMS_TOTAL: &str = "outbox_relay_claims_total";
+/// Counter, label `kind` (`walk`, `recheck`): ordered routes' key-head claims.
+pub const KEY_CLAIMS_TOTAL: &str = "outbox_relay_key_claims_total";
 /// Counter, label `actor`.
 pub const ACTOR_RESTARTS_TOTAL: &str = "outbox_relay_actor_restarts_total";
 /// Counter: outcomes the database refused because the row's lease had moved

@@ -30,6 +30,8 @@ pub(crate) struct KnownLabels<'a> {
     pub(crate) defer_causes: &'a [&'static str],
     pub(crate) callback_outcomes: &'a [&'static str],
     pub(crate) handover_kinds: &'a [&'static str],
+    /// How the ordered routes' key-head claims went: a walk or a recheck.
+    pub(crate) key_claim_kinds: &'a [&'static str],
     pub(crate) actors: &'a [&'static str],
     pub(crate) sinks: &'a [&'static str],
 }
@@ -75,6 +77,9 @@ pub(crate) fn export_at_zero(labels: &KnownLabels<'_>) {
     }
     for &kind in labels.handover_kinds {
         counter!(names::SHARD_HANDOVERS_TOTAL, "kind" => kind).increment(0);
+    }
+    for &kind in labels.key_claim_kinds {
+        counter!(names::KEY_CLAIMS_TOTAL, "kind" => kind).increment(0);
     }
     for &actor in labels.actors {
         counter!(names::ACTOR_RESTARTS_TOTAL, "actor" => actor).increment(0);

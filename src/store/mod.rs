@@ -72,6 +72,7 @@ pub mod mark;
 pub mod migrate;
 #[macro_use]
 pub mod outbox;
+pub(crate) mod key_recheck;
 pub mod partitions;
 pub mod pooler;
 pub mod privileges;

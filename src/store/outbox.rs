@@ -15,7 +15,7 @@
 //! callback, so that no owner, this one or the next, sends the key's next
 //! event (or the same one again) before the destination answered.
 use chrono::{DateTime, Utc};
-use tokio_postgres::types::Type;
+use tokio_postgres::types::{ToSql, Type};
 use uuid::Uuid;
 
 use super::mark::Held;
@@ -248,6 +248,45 @@ pub(super) const CLAIM_HEADS: Sql = Sql {
     ],
 };
 
+/// The heads of the keys in `keys (bucket, partition_key)` for an ordered
+/// route that takes the event types matching `$like` and none of `$unless`
+/// (see [`CLAIM_TYPED_HEADS`]): `heads (id)`, each key's oldest pending row
+/// among those types, found through `outbox_bucket_key_type_idx` one pending
+/// type at a time, whatever the key's backlog.
+macro_rules! typed_heads {
+    ($like:literal, $unless:literal) => {
+        concat!(
+            "heads (id) AS (
+    SELECT h.id FROM keys AS k, LATERAL (
+        WITH RECURSIVE types (event_type, id) AS (
+            (SELECT event_type, id FROM outbox
+             WHERE bucket = k.bucket AND partition_key = k.partition_key
+               AND published_at IS NULL AND dead_lettered_at IS NULL
+             ORDER BY event_type, id
+             LIMIT 1)
+            UNION ALL
+            SELECT next.event_type, next.id
+            FROM types AS prev, LATERAL (
+                SELECT event_type, id FROM outbox
+                WHERE bucket = k.bucket AND partition_key = k.partition_key
+                  AND published_at IS NULL AND dead_lettered_at IS NULL
+                  AND event_type > prev.event_type
+                ORDER BY event_type, id
+                LIMIT 1) AS next
+        )
+        SELECT min(id) AS id FROM types
+        WHERE event_type LIKE ",
+            $like,
+            " AND NOT (event_type LIKE ANY (",
+            $unless,
+            "))
+    ) AS h
+    WHERE h.id IS NOT NULL
+)"
+        )
+    };
+}
+
 /// An ordered route that takes some event types only: the types matching
 /// `$3` and none of `$4` (LIKE patterns; `$4` are the patterns of the routes
 /// before it, which take their matches first). A key's head for this route
@@ -269,29 +308,8 @@ pub(super) const CLAIM_TYPED_HEADS: Sql = Sql {
         fence!("$7"),
         ", ",
         key_walk!("$5", "$6"),
-        ", heads (id) AS (
-    SELECT h.id FROM keys AS k, LATERAL (
-        WITH RECURSIVE types (event_type, id) AS (
-            (SELECT event_type, id FROM outbox
-             WHERE bucket = k.bucket AND partition_key = k.partition_key
-               AND published_at IS NULL AND dead_lettered_at IS NULL
-             ORDER BY event_type, id
-             LIMIT 1)
-            UNION ALL
-            SELECT next.event_type, next.id
-            FROM types AS prev, LATERAL (
-                SELECT event_type, id FROM outbox
-                WHERE bucket = k.bucket AND partition_key = k.partition_key
-                  AND published_at IS NULL AND dead_lettered_at IS NULL
-                  AND event_type > prev.event_type
-                ORDER BY event_type, id
-                LIMIT 1) AS next
-        )
-        SELECT min(id) AS id FROM types
-        WHERE event_type LIKE $3 AND NOT (event_type LIKE ANY ($4))
-    ) AS h
-    WHERE h.id IS NOT NULL
-)",
+        ", ",
+        typed_heads!("$3", "$4"),
         checked_heads!("$8")
     ),
     types: &[
@@ -390,7 +408,7 @@ pub struct RouteTypes {
 
 impl RouteTypes {
     /// Every event type: the key's head is its oldest pending row.
-    fn all(&self) -> bool {
+    pub(crate) fn all(&self) -> bool {
         self.like == "%" && self.unless.is_empty()
     }
 }
@@ -443,38 +461,36 @@ impl Session {
         limit: i64,
     ) -> Result<Vec<Claimed>, StoreError> {
         let shard = scope.fence.shard.sql();
+        self.query_heads(
+            types,
+            (&CLAIM_HEADS, &CLAIM_TYPED_HEADS),
+            (limit, shard),
+            &[&key_cursor.0, &key_cursor.1, &scope.fence.token, &scope.out],
+        )
+        .await
+    }
+
+    /// Runs a heads statement of one ordered route: `all` when the route
+    /// takes every type, else `typed`, whose parameters after the limit and
+    /// the shard are the route's type patterns; `rest` come after those.
+    pub(super) async fn query_heads(
+        &mut self,
+        types: &RouteTypes,
+        (all, typed): (&Sql, &Sql),
+        (limit, shard): (i64, i16),
+        rest: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Claimed>, StoreError> {
+        let mut params: Vec<&(dyn ToSql + Sync)> = vec![&limit, &shard];
+        let sql = if types.all() {
+            all
+        } else {
+            params.extend([&types.like as &(dyn ToSql + Sync), &types.unless]);
+            typed
+        };
+        params.extend_from_slice(rest);
         bounded!(self, async {
-            let rows = if types.all() {
-                let (conn, statement) = self.prepared(&CLAIM_HEADS).await?;
-                conn.query(
-                    &statement,
-                    &[
-                        &limit,
-                        &shard,
-                        &key_cursor.0,
-                        &key_cursor.1,
-                        &scope.fence.token,
-                        &scope.out,
-                    ],
-                )
-                .await?
-            } else {
-                let (conn, statement) = self.prepared(&CLAIM_TYPED_HEADS).await?;
-                conn.query(
-                    &statement,
-                    &[
-                        &limit,
-                        &shard,
-                        &types.like,
-                        &types.unless,
-                        &key_cursor.0,
-                        &key_cursor.1,
-                        &scope.fence.token,
-                        &scope.out,
-                    ],
-                )
-                .await?
-            };
+            let (conn, statement) = self.prepared(sql).await?;
+            let rows = conn.query(&statement, &params).await?;
             Ok(rows.iter().map(claimed).collect())
         })
     }

@@ -15,11 +15,15 @@
 //! own events only, and events of one key on different routes are
 //! independent.
 
+mod key_watch;
 mod tenant_rates;
 mod tenants;
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
+pub(crate) use self::key_watch::KEY_CLAIM_KINDS;
+use self::key_watch::{KeyWatch, Step};
 pub(crate) use self::tenant_rates::TenantRates;
 pub(crate) use self::tenants::{Fairness, TenantWeights};
 use self::tenants::{TenantClaim, TenantPlan};
@@ -102,18 +106,35 @@ pub(crate) struct ClaimPlan {
     heads_first: bool,
     /// The plain claim's share per tenant, when tenant fairness is on.
     tenants: Option<TenantPlan>,
+    /// What the ordered claims know between key walks.
+    keys: KeyWatch,
 }
 
 impl ClaimPlan {
     /// The plan of one claimer; `tenants`: the tenants' weights and paces
-    /// when the plain claim is shared between tenants (`relay.tenant_fairness`).
-    pub(crate) fn new(routes: Arc<ClaimRoutes>, tenants: Option<Fairness>) -> ClaimPlan {
+    /// when the plain claim is shared between tenants (`relay.tenant_fairness`);
+    /// `walk_every`: the ordered claims walk every key at least this often
+    /// (the claimer's poll interval), and in between read only what changed.
+    pub(crate) fn new(
+        routes: Arc<ClaimRoutes>,
+        tenants: Option<Fairness>,
+        walk_every: Duration,
+    ) -> ClaimPlan {
         ClaimPlan {
             key_cursors: vec![no_key_cursor(); routes.ordered.len()],
             routes,
             cursor: no_cursor(),
             heads_first: false,
             tenants: tenants.map(TenantPlan::new),
+            keys: KeyWatch::new(walk_every),
+        }
+    }
+
+    /// A row of the shard comes due at `at` (a retry, a deferral or a hold
+    /// the marker wrote): the ordered claims walk their keys again then.
+    pub(crate) fn due_at(&mut self, at: Instant) {
+        if !self.routes.ordered.is_empty() {
+            self.keys.due_at(at);
         }
     }
 
@@ -222,49 +243,75 @@ impl ClaimPlan {
     }
 
     /// Up to `limit` key heads over the ordered routes, shared evenly
-    /// between them; what one route leaves goes to the next.
+    /// between them; what one route leaves goes to the next. A walk of every
+    /// key, or, while nothing but new rows and this relay's own marks changed
+    /// since a walk that visited them all, a recheck of those keys only.
     async fn heads(
         &mut self,
         claim: &mut Claim<'_>,
         limit: i64,
     ) -> Result<Vec<Claimed>, StoreError> {
         let routes = Arc::clone(&self.routes);
+        let count = routes.ordered.len();
+        let now = Instant::now();
+        let step = self
+            .keys
+            .step(claim.session, claim.scope.out, count, now)
+            .await?;
         let mut rows = Vec::new();
-        let count = routes.ordered.len() as i64;
+        // Every route looked at all it could and found fewer than it may take.
+        let mut short = true;
         for (i, types) in routes.ordered.iter().enumerate() {
             let left = limit - rows.len() as i64;
-            let share = (left + count - i as i64 - 1) / (count - i as i64);
-            if share > 0 {
-                rows.extend(self.route_heads(claim, i, types, share).await?);
+            let share = (left + (count - i) as i64 - 1) / (count - i) as i64;
+            if share <= 0 {
+                short = false;
+                continue;
             }
+            let (taken, read) = match (&step, step.ids()) {
+                (Step::Recheck { keys, .. }, Some(ids)) => {
+                    let read = claim
+                        .session
+                        .recheck_heads(claim.scope, types, ids, &keys[i], share)
+                        .await?;
+                    let n = read.len();
+                    (claim.fresh(read, share), n)
+                }
+                _ => self.route_heads(claim, i, types, share).await?,
+            };
+            short &= (read as i64) < share;
+            self.keys.took(i, &taken);
+            rows.extend(taken);
         }
+        self.keys.claimed(step, short, now);
         Ok(rows)
     }
 
     /// Up to `limit` key heads of ordered route `i` this relay does not have
-    /// out (the claim leaves them out); its key walk goes on after the last
-    /// one taken, or after the last one read when every head read had left
-    /// meanwhile.
+    /// out (the claim leaves them out), and how many the walk read; its key
+    /// walk goes on after the last one taken, or after the last one read
+    /// when every head read had left meanwhile.
     async fn route_heads(
         &mut self,
         claim: &mut Claim<'_>,
         i: usize,
         types: &RouteTypes,
         limit: i64,
-    ) -> Result<Vec<Claimed>, StoreError> {
+    ) -> Result<(Vec<Claimed>, usize), StoreError> {
         let cursor = &self.key_cursors[i];
         let read = claim
             .session
             .claim_heads(claim.scope, types, cursor, limit)
             .await?;
         let all_read = key_cursor_after(cursor, &read);
+        let n = read.len();
         let taken = claim.fresh(read, limit);
         self.key_cursors[i] = if taken.is_empty() {
             all_read
         } else {
             key_cursor_after(cursor, &taken)
         };
-        Ok(taken)
+        Ok((taken, n))
     }
 }
 
@@ -423,7 +470,7 @@ mod tests {
             destination = "https://a.example/all"
             "#,
         ));
-        let mut plan = ClaimPlan::new(routes, None);
+        let mut plan = ClaimPlan::new(routes, None, Duration::from_secs(60));
         let mut session = store.session();
         let in_flight = InFlight::new(100);
         let mut claim = async |plan: &mut ClaimPlan| -> Vec<Claimed> {

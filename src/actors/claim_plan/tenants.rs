@@ -361,7 +361,7 @@ mod tests {
         let routes = Arc::new(ClaimRoutes::new(&Router::new(&testing::routes(
             "[[routes]]\nevent_type = \"*\"\ndestination = \"https://a.example/all\"\n",
         ))));
-        ClaimPlan::new(routes, fairness)
+        ClaimPlan::new(routes, fairness, std::time::Duration::from_secs(1))
     }
 
     /// Rows per tenant, by the low bits of its id.

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Target 3 of issue #24: what a claim costs, and what an idle relay burns,
 # while 20,000 keys are held for QStash's delivery callbacks.
-# Usage: claim-held.sh OUT_DIR LOADTEST_BIN REPS NAME=OUTBOX_RELAY_BIN...
+# Usage: [CONFIG=…] [WAIT=seconds] claim-held.sh OUT_DIR LOADTEST_BIN REPS NAME=OUTBOX_RELAY_BIN...
 # On one durable cluster with pg_stat_statements, for each repetition and
 # relay (the order reversed on even repetitions): `loadtest run
-# config/loadtest/claim-held-20k.toml` with that relay; 12 s after the relay
-# starts (every key's first event is out, every key waits 40 s for its
+# config/loadtest/claim-held-20k.toml` (or $CONFIG) with that relay; 12 s
+# (or $WAIT) after the relay starts (every key's first event is out, every key waits 40 s for its
 # callback) the statement statistics are reset; 20 s later the script reads
 # them, with the CPU the relay process and the run database's backends used
 # in those 20 s; then it stops the run (the rest of the drain is not needed).
@@ -15,6 +15,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../../.." && pwd)
 bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
 port=${PORT:-55513} dir=$(mktemp -d /tmp/claim-held-XXXX)
+config=${CONFIG:-$root/config/loadtest/claim-held-20k.toml} wait=${WAIT:-12}
 cluster="$root/loadtest/reports/producer-cost/cluster.sh"
 EXTRA_OPTS="-c shared_preload_libraries=pg_stat_statements -c pg_stat_statements.track=all -c max_connections=300" \
     "$cluster" start "$dir" "$port"
@@ -35,13 +36,13 @@ for rep in $(seq 1 "$reps"); do
   for v in "${order[@]}"; do
     name=${v%%=*} relay=${v#*=}
     run="$out/$name-$rep"
-    "$loadtest" run "$root/config/loadtest/claim-held-20k.toml" --relay-bin "$relay" \
+    "$loadtest" run "$config" --relay-bin "$relay" \
         --database-url "$url" --out "$run" --no-progress > "$run.txt" 2>&1 &
     harness=$!
     rpid=
     # The relay's `run` process, not the `migrate` the harness runs first.
-    until rpid=$(pgrep -P "$harness" -f "outbox-relay run"); do sleep 0.2; done
-    sleep 12
+    until rpid=$(pgrep -P "$harness" -f " run --config "); do sleep 0.2; done
+    sleep "$wait"
     q "SELECT pg_stat_statements_reset()" >/dev/null
     backends=$(q "SELECT string_agg(pid::text, ' ') FROM pg_stat_activity WHERE datname LIKE 'loadtest_%'")
     load=$(cut -d' ' -f1 /proc/loadavg)

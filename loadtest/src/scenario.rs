@@ -548,6 +548,16 @@ impl Scenario {
     }
 }
 
+/// How long an ordered QStash route waits for a callback before it sends
+/// the event again: 20 s, or 20 s more than the destination's slowest
+/// answer when that is longer, so a slow destination's events are held,
+/// not sent again while their delivery is still going on.
+fn callback_timeout(delivery: Option<&DeliverySpec>) -> Duration {
+    let slowest = delivery.map_or(Duration::ZERO, |d| d.latency + d.jitter);
+    let timeout = Duration::from_secs(20) + slowest;
+    Duration::from_secs(timeout.as_secs_f64().ceil() as u64)
+}
+
 /// The relay config for a run, as TOML: defaults, one QStash route
 /// `event_type = "*"` to `http://127.0.0.1:<sink_port>/hook` with the scenario's
 /// ordering, the metrics listener on `metrics_port`, then the scenario's
@@ -647,7 +657,11 @@ pub fn replica_config_toml(
         route.insert("callback".into(), url.into());
         // A callback that never comes (a killed replica's, retried in vain)
         // costs this long before the event is sent again.
-        route.insert("callback_timeout".into(), "20s".into());
+        let timeout = callback_timeout(scenario.sink.delivery.as_ref());
+        route.insert(
+            "callback_timeout".into(),
+            format!("{}s", timeout.as_secs()).into(),
+        );
     }
     let mut routes = Vec::new();
     if let Some(second) = &scenario.second_route {
@@ -774,6 +788,16 @@ mode = "single"
         let bad = text.replace("/hook/invoices", "/elsewhere");
         let e = Scenario::from_toml_str(&bad).unwrap_err().to_string();
         assert!(e.contains("second_route.path"), "{e}");
+    }
+
+    #[test]
+    fn a_slow_destination_gets_a_callback_timeout_longer_than_its_answers() {
+        let mut d = DeliverySpec::default();
+        assert_eq!(callback_timeout(None), Duration::from_secs(20));
+        assert_eq!(callback_timeout(Some(&d)), Duration::from_secs(20));
+        d.latency = Duration::from_secs(150);
+        d.jitter = Duration::from_millis(500);
+        assert_eq!(callback_timeout(Some(&d)), Duration::from_secs(171));
     }
 
     #[test]
